@@ -1,0 +1,21 @@
+"""hostcallback: see values from inside jitted JAX code on the host, without Python on the device thread.
+
+The public API, and nothing else. See docs/architecture.md for how a tap travels.
+"""
+
+from hostcallback.api import barrier_wait, id_print, id_tap, queue_stats, stop_outfeed_receiver
+from hostcallback.config import configure
+from hostcallback.receiver import CallbackException, ReceiverStoppedError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CallbackException",
+    "ReceiverStoppedError",
+    "barrier_wait",
+    "configure",
+    "id_print",
+    "id_tap",
+    "queue_stats",
+    "stop_outfeed_receiver",
+]

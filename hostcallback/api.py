@@ -1,0 +1,143 @@
+"""The public tap API: validate what the user passed, flatten it, register a consumer, bind.
+
+The functions are thin on purpose; the primitive's rules (primitive.py) and the receivers
+(receiver.py) do the work. Every mistake a user can make here is answered at trace time with an
+error that names the argument and says what to do instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, TextIO
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import tree_util
+
+from hostcallback import primitive, printing, transport, wire
+from hostcallback.receiver import receivers
+from hostcallback.registry import Consumer, registry
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
+
+
+def _leaf_to_array(path, leaf):
+    where = tree_util.keystr(path) or "the argument"
+    if not isinstance(leaf, _ARRAY_TYPES):
+        raise TypeError(
+            f"hostcallback can only tap arrays and numbers, but {where} is a "
+            f"{type(leaf).__name__} ({leaf!r:.60}). Pass it through functools.partial to the tap "
+            "function, or leave it out of the tapped value.")
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        raise TypeError(
+            f"{where} is a PRNG key array ({dtype}); tap its bits with jax.random.key_data(key) "
+            "instead.")
+    array = jnp.asarray(leaf)
+    try:
+        wire.dtype_code(array.dtype)
+    except wire.UnsupportedDtypeError as error:
+        raise TypeError(f"{where}: {error}") from None
+    if array.ndim > wire.MAX_NDIM:
+        raise ValueError(f"{where} has rank {array.ndim}; taps support rank up to {wire.MAX_NDIM}")
+    return array
+
+
+def _tap(consumer: Consumer, leaves, device_index: int):
+    if not isinstance(device_index, int) or device_index < 0:
+        raise ValueError(f"device_index must be a non-negative int, got {device_index!r}")
+    receivers.ensure_started()
+    return primitive.bind(leaves, consumer_id=registry.register(consumer),
+                          transport=transport.default_transport(), device_index=device_index)
+
+
+def _flatten(arg):
+    paths_and_leaves, treedef = tree_util.tree_flatten_with_path(arg)
+    return [_leaf_to_array(path, leaf) for path, leaf in paths_and_leaves], treedef
+
+
+def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
+           tap_with_device: bool = False, device_index: int = 0, **kwargs: Any) -> Any:
+    """Sends ``arg`` to ``tap_func(arg, transforms)`` on the host and returns ``arg`` (or ``result``).
+
+    The device only copies the values into its outfeed queue and goes on; a receiver thread calls
+    ``tap_func`` later, in program order per device. With ``tap_with_device=True`` the call is
+    ``tap_func(arg, transforms, device=d)``. Errors in ``tap_func`` surface at the next
+    ``barrier_wait()`` as CallbackException.
+    """
+    if kwargs:
+        raise TypeError(
+            f"id_tap() got unexpected keyword argument(s) {', '.join(sorted(kwargs))}. Tap "
+            "functions are called as tap_func(arg, transforms); to give yours more parameters, "
+            "bind them first: id_tap(functools.partial(tap_func, name=value), arg).")
+    if not callable(tap_func):
+        raise TypeError(f"id_tap() needs a callable tap_func, got {type(tap_func).__name__}")
+    leaves, treedef = _flatten(arg)
+    consumer = Consumer(func=tap_func, treedef=treedef, with_device=tap_with_device,
+                        name=getattr(tap_func, "__name__", ""))
+    outs = _tap(consumer, leaves, device_index)
+    return result if result is not None else tree_util.tree_unflatten(treedef, outs)
+
+
+class _Printer:
+    """id_print's consumer; equal printers make equal consumers, so retracing reuses the id."""
+
+    __slots__ = ("output_stream", "threshold", "metadata")
+
+    def __init__(self, output_stream: TextIO | None, threshold: int | None,
+                 metadata: dict[str, Any]) -> None:
+        self.output_stream, self.threshold, self.metadata = output_stream, threshold, metadata
+
+    def _key(self):
+        return (id(self.output_stream), self.threshold, repr(sorted(self.metadata.items())))
+
+    def __eq__(self, other):
+        return isinstance(other, _Printer) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __call__(self, arg, transforms, device=None):
+        printing.print_tap(arg, transforms, device=device, output_stream=self.output_stream,
+                           threshold=self.threshold, **self.metadata)
+
+
+def id_print(arg: Any, *, result: Any = None, tap_with_device: bool = False,
+             output_stream: TextIO | None = None, threshold: int | None = None,
+             **kwargs: Any) -> Any:
+    """Prints ``arg`` on the host (as ``id_tap`` would deliver it) and returns ``arg`` (or ``result``).
+
+    Keyword arguments become a first line of sorted ``key: value`` metadata, e.g.
+    ``id_print(loss, what="loss")`` prints ``what: loss`` and then the value.
+    """
+    leaves, treedef = _flatten(arg)
+    printer = _Printer(output_stream, threshold, dict(kwargs))
+    consumer = Consumer(func=printer, treedef=treedef, with_device=tap_with_device,
+                        metadata=tuple(sorted((k, repr(v)) for k, v in kwargs.items())),
+                        name=str(kwargs.get("what", "id_print")))
+    outs = _tap(consumer, leaves, 0)
+    return result if result is not None else tree_util.tree_unflatten(treedef, outs)
+
+
+def barrier_wait(logging_name: str | None = None, *, timeout: float | None = None) -> None:
+    """Waits until every tap of every computation dispatched so far has been handled.
+
+    Raises CallbackException if a tap consumer raised since the last barrier (the first error is
+    its ``__cause__``), and TimeoutError if ``timeout`` seconds pass first.
+    """
+    receivers.barrier_wait(logging_name, timeout=timeout)
+
+
+def stop_outfeed_receiver(*, timeout: float | None = None) -> None:
+    """Delivers every pending tap, then stops the receiver threads for good.
+
+    Afterwards tracing a tap raises ReceiverStoppedError and running an already compiled
+    computation with taps fails with an error that says the receiver was stopped.
+    """
+    receivers.stop(timeout=timeout)
+
+
+def queue_stats() -> dict[Any, dict[str, Any]]:
+    """Per local device: records and bytes enqueued and delivered, bytes queued now and at peak,
+    how often and how long the device waited for room, and records the receiver handled."""
+    return receivers.queue_stats()

@@ -1,0 +1,93 @@
+"""Settings of hostcallback: each from a keyword, else a ``HOSTCALLBACK_*`` variable, else a default.
+
+This module only holds values; it never starts threads or touches devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Iterator
+
+TRANSPORTS = ("native", "callback")
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return value
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+def _env_transport() -> str | None:
+    raw = os.environ.get("HOSTCALLBACK_TRANSPORT", "").strip().lower()
+    if raw == "":
+        return None
+    if raw not in TRANSPORTS:
+        raise ValueError(f"HOSTCALLBACK_TRANSPORT={raw!r}: choose one of {', '.join(TRANSPORTS)}")
+    return raw
+
+
+@dataclasses.dataclass
+class Settings:
+    """What the tap service reads at trace, lowering and receive time."""
+
+    # None: native wherever a native handler exists, the callback transport elsewhere.
+    transport: str | None = dataclasses.field(default_factory=_env_transport)
+    # Byte budget of each device's outfeed queue; a full queue makes the device wait.
+    max_queue_bytes: int = dataclasses.field(
+        default_factory=lambda: _env_int("HOSTCALLBACK_MAX_QUEUE_BYTES", 256 << 20))
+    # How long interpreter exit waits for pending taps before giving up with a warning.
+    exit_timeout_s: float = dataclasses.field(
+        default_factory=lambda: _env_float("HOSTCALLBACK_EXIT_TIMEOUT", 60.0))
+
+
+settings = Settings()
+
+
+def configure(*, transport: str | None = None, max_queue_bytes: int | None = None,
+              exit_timeout_s: float | None = None) -> None:
+    """Changes settings for taps traced from now on (the queue budget applies at once)."""
+    if transport is not None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport={transport!r}: choose one of {', '.join(TRANSPORTS)}")
+        settings.transport = transport
+    if max_queue_bytes is not None:
+        if max_queue_bytes <= 0:
+            raise ValueError(f"max_queue_bytes={max_queue_bytes} must be positive")
+        settings.max_queue_bytes = max_queue_bytes
+        from hostcallback import _native  # late: applying the budget needs the extension
+
+        _native.outfeed.set_max_queue_bytes(max_queue_bytes)
+    if exit_timeout_s is not None:
+        settings.exit_timeout_s = exit_timeout_s
+
+
+@contextlib.contextmanager
+def override(**changes) -> Iterator[Settings]:
+    """Temporarily changes settings (tests use it to run one behaviour on both transports)."""
+    before = dataclasses.replace(settings)
+    configure(**changes)
+    try:
+        yield settings
+    finally:
+        configure(transport=before.transport or None, max_queue_bytes=before.max_queue_bytes,
+                  exit_timeout_s=before.exit_timeout_s)
+        settings.transport = before.transport

@@ -1,0 +1,56 @@
+"""Keeps control flow that holds a tap from being removed as dead code.
+
+Our tap declares no JAX effect (see primitive.py for why), so JAX's dead-code elimination would
+drop a ``cond``, ``scan``, ``while_loop`` or nested ``jit`` whose results are unused, and the taps
+inside with it: ``lax.cond(step % 100 == 0, lambda: id_print(loss), lambda: None)`` would never
+print. Here each DCE rule of a primitive that holds sub-jaxprs is wrapped so that an equation
+containing a tap is kept whole when none of its results are used, and otherwise left to JAX's rule
+(which keeps the tap through the tap's own DCE rule). Nothing else about DCE changes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from jax import lax
+from jax._src import core
+from jax._src.interpreters import partial_eval as pe
+
+_tap_primitives: set = set()
+_wrapped: set = set()
+
+
+def register_tap_primitive(primitive) -> None:
+    _tap_primitives.add(primitive)
+    _install()
+
+
+def contains_tap(jaxpr) -> bool:
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # a ClosedJaxpr holds a Jaxpr
+    for eqn in jaxpr.eqns:
+        if eqn.primitive in _tap_primitives:
+            return True
+        if any(contains_tap(sub) for sub in core.jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
+def _keeping_taps(rule: Callable) -> Callable:
+    def dce_rule(used_outputs, eqn):
+        if not any(used_outputs) and any(
+                contains_tap(sub) for sub in core.jaxprs_in_params(eqn.params)):
+            return [True] * len(eqn.invars), eqn
+        return rule(used_outputs, eqn)
+
+    dce_rule.__wrapped__ = rule
+    return dce_rule
+
+
+def _install() -> None:
+    # while_loop has no rule of its own: JAX's default drops it when its results are unused.
+    pe.dce_rules.setdefault(lax.while_p, pe._default_dce_rule)
+    for primitive, rule in list(pe.dce_rules.items()):
+        if primitive in _tap_primitives or primitive in _wrapped:
+            continue
+        pe.dce_rules[primitive] = _keeping_taps(rule)
+        _wrapped.add(primitive)

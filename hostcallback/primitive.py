@@ -1,0 +1,178 @@
+"""The ``outside_call`` primitive: a tap that hands its operands to the host and returns them.
+
+Its rules sit below its definition, top to bottom: abstract eval, dead-code elimination,
+batching, jvp, lowering. It declares no JAX effect on purpose: any effect makes JAX dispatch the
+whole computation through its slow Python path (about 70 us a call on a 2-core CPU) even when the
+tap never fires. A tap is instead kept alive by its own DCE rule (and keep_taps.py for the
+control flow around it), and its program order comes from a token chain in the lowering.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import jax
+import numpy as np
+from jax._src import config as jax_config, core, dispatch, sharding_impls
+from jax._src.interpreters import batching, mlir, partial_eval as pe
+from jax._src.interpreters import ad
+from jax._src.lib.mlir import ir
+from jax.extend.core import Primitive
+
+from hostcallback import keep_taps
+from hostcallback.registry import registry
+
+outside_call_p = Primitive("outside_call")
+outside_call_p.multiple_results = True
+# The lowering needs the device assignment to map partitions to devices.
+dispatch.prim_requires_devices_during_lowering.add(outside_call_p)
+keep_taps.register_tap_primitive(outside_call_p)
+
+# emit_device: which local device ordinal enqueues (ALL_DEVICES: each that runs the tap).
+ALL_DEVICES = -1
+NO_LOCAL_DEVICE = -2
+
+
+def bind(leaves, *, consumer_id: int, transport: str, device_index: int = 0):
+    return outside_call_p.bind(*leaves, consumer_id=consumer_id, transport=transport,
+                               device_index=device_index, emit_device=ALL_DEVICES)
+
+
+# ---- evaluation ------------------------------------------------------------------------------
+
+
+def _impl(*args, **params):
+    return dispatch.apply_primitive(outside_call_p, *args, **params)
+
+
+outside_call_p.def_impl(_impl)
+outside_call_p.def_abstract_eval(lambda *avals, **params: avals)
+
+
+def _dce_rule(used_outputs, eqn):
+    # A tap is a side effect: it stays even when nothing uses what it returns.
+    return [True] * len(eqn.invars), eqn
+
+
+pe.dce_rules[outside_call_p] = _dce_rule
+
+
+# ---- transformations ------------------------------------------------------------------------
+
+
+def _batching_rule(args, dims, *, consumer_id, **params):
+    """One tap of the whole batch; the consumer learns which axis of each leaf is the batch."""
+    batch_dims = tuple(None if d is batching.not_mapped else d for d in dims)
+    batched = registry.get(consumer_id).with_transform(("batch", {"batch_dims": batch_dims}))
+    outs = outside_call_p.bind(*args, consumer_id=registry.register(batched), **params)
+    return outs, dims
+
+
+batching.primitive_batchers[outside_call_p] = _batching_rule
+
+
+def _jvp_rule(primals, tangents, **params):
+    """The tap fires once, on primal values; tangents pass through untouched."""
+    return outside_call_p.bind(*primals, **params), tangents
+
+
+ad.primitive_jvps[outside_call_p] = _jvp_rule
+
+
+# ---- lowering ----------------------------------------------------------------------------------
+
+
+def _local_ordinal(device) -> int:
+    """The ordinal XLA gives the FFI handler for a device, or NO_LOCAL_DEVICE if it is remote."""
+    if device.process_index != jax.process_index():
+        return NO_LOCAL_DEVICE
+    return device.local_hardware_id
+
+
+def _manual_sharding(num_results: int):
+    """The annotation that says: run this op on every device, on its own data (shard_map)."""
+    from jax._src.lib import xla_client as xc
+
+    if jax_config.use_shardy_partitioner.value:
+        arrays = (sharding_impls.SdyArray(mesh_shape=(), dim_shardings=(), logical_device_ids=()),)
+        return sharding_impls.SdyArrayList(arrays * max(1, num_results))
+    op_sharding = xc.OpSharding()
+    op_sharding.type = xc.OpSharding.Type.MANUAL
+    return op_sharding
+
+
+def _lower_in_manual_region(ctx, args, *, device_index, **params):
+    """Runs the tap inside a shard_map over all devices, so that each device sees the whole value,
+    and lets only the device at ``device_index`` enqueue it. XLA's Shardy partitioner keeps the
+    maximal sharding JAX uses for this only on JAX's own callback targets, so we cannot use it."""
+    devices = ctx.module_context.axis_context.device_assignment
+    if not 0 <= device_index < len(devices):
+        raise ValueError(
+            f"device_index={device_index} is out of range for a computation on {len(devices)} devices")
+    mesh_devices = np.empty(len(devices), dtype=object)
+    mesh_devices[:] = list(devices)
+    mesh = jax.sharding.Mesh(mesh_devices, ("_hostcallback_devices",))
+    emit_device = _local_ordinal(devices[device_index])
+
+    def tap_on_every_device(*xs):
+        return outside_call_p.bind(*xs, device_index=device_index, emit_device=emit_device, **params)
+
+    replicated = jax.sharding.PartitionSpec()
+    region = jax.shard_map(tap_on_every_device, mesh=mesh, in_specs=replicated,
+                           out_specs=replicated, check_vma=False)
+    # The avals may carry the outer computation's sharding; inside the region they are whole.
+    plain = [core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_in]
+    region_ctx = dataclasses.replace(ctx, avals_in=plain, avals_out=plain)
+    outs = mlir.lower_fun(region, multiple_results=True)(region_ctx, *args)
+    return outs
+
+
+# Per MLIR module being lowered: block -> token of the last tap emitted in that block.
+_token_chains: "weakref.WeakKeyDictionary[ir.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def _token_chain(ctx) -> dict:
+    return _token_chains.setdefault(ctx.module_context.module, {})
+
+
+def _chain_token(ctx):
+    """The token of the last tap emitted in the current block, so taps keep program order."""
+    return _token_chain(ctx).get(ir.InsertionPoint.current.block)
+
+
+def _set_chain_token(ctx, token) -> None:
+    _token_chain(ctx)[ir.InsertionPoint.current.block] = token
+
+
+def _lowering(ctx, *args, consumer_id, transport, device_index, emit_device, platform):
+    from hostcallback.transport import emitter_for
+
+    axis_context = ctx.module_context.axis_context
+    op_sharding = None
+    if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+        if axis_context.manual_axes != frozenset(axis_context.mesh.axis_names):
+            raise NotImplementedError(
+                "hostcallback taps inside shard_map need every mesh axis to be manual; with "
+                "partially automatic axes, tap outside the shard_map or make all axes manual")
+        op_sharding = _manual_sharding(1)
+    elif (isinstance(axis_context, sharding_impls.ShardingContext)
+          and axis_context.num_devices > 1):
+        return _lower_in_manual_region(ctx, args, consumer_id=consumer_id, transport=transport,
+                                       device_index=device_index)
+    emit = emitter_for(transport, platform)
+    token = _chain_token(ctx) or mlir.hlo.create_token()
+    token = emit(ctx, list(args), consumer_id=consumer_id, emit_device=emit_device,
+                 token=token, op_sharding=op_sharding)
+    _set_chain_token(ctx, token)
+    return list(args)
+
+
+for _platform in ("cpu", "cuda", "rocm", "tpu"):
+    mlir.register_lowering(
+        outside_call_p,
+        lambda ctx, *args, _platform=_platform, **params: _lowering(
+            ctx, *args, platform=_platform, **params),
+        platform=_platform, cacheable=False)
+
+__all__ = ["outside_call_p", "bind", "ALL_DEVICES"]

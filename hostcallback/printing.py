@@ -1,0 +1,47 @@
+"""How id_print shows a tapped value: a line of sorted ``key: value`` metadata, then the value.
+
+Tuples print as ``( a b )``, lists as ``[ a b ]``, dicts as ``{ k=v }`` and arrays through
+``np.array2string`` with the given threshold, like the legacy host_callback.id_print.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, TextIO
+
+import numpy as np
+
+DEFAULT_THRESHOLD = 1024
+
+
+def format_value(value: Any, threshold: int = DEFAULT_THRESHOLD) -> str:
+    if isinstance(value, tuple):
+        return "( " + " ".join(format_value(v, threshold) for v in value) + " )"
+    if isinstance(value, list):
+        return "[ " + " ".join(format_value(v, threshold) for v in value) + " ]"
+    if isinstance(value, dict):
+        items = " ".join(f"{k}={format_value(v, threshold)}" for k, v in sorted(value.items()))
+        return "{ " + items + " }"
+    if isinstance(value, np.ndarray):
+        return np.array2string(value, threshold=threshold)
+    return str(value)
+
+
+def format_metadata(metadata: dict[str, Any], transforms: tuple, device: Any = None) -> str:
+    fields = dict(metadata)
+    if transforms:
+        fields["transforms"] = list(transforms)
+    if device is not None:
+        fields["device"] = device
+    return " ".join(f"{key}: {value}" for key, value in sorted(fields.items()))
+
+
+def print_tap(arg: Any, transforms: tuple, *, device: Any = None, output_stream: TextIO | None = None,
+              threshold: int | None = None, **metadata: Any) -> None:
+    """The consumer behind id_print; writes one block of text per tap."""
+    stream = output_stream if output_stream is not None else sys.stdout
+    header = format_metadata(metadata, transforms, device)
+    body = format_value(arg, DEFAULT_THRESHOLD if threshold is None else threshold)
+    stream.write((header + "\n" if header else "") + body + "\n")
+    if hasattr(stream, "flush"):
+        stream.flush()

@@ -1,0 +1,88 @@
+"""Consumer ids: the small integers a tap record carries, mapped to what the host must do with it.
+
+Ids are made at trace time and are stable: registering the same function with the same pytree
+structure, transforms and metadata returns the same id, so retracing a function yields an equal
+primitive and JAX's compilation cache still hits. This module never calls consumers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+from typing import Any, Callable
+
+from jax import tree_util
+
+# Id 0 is never handed out: a record with consumer 0 is a barrier marker.
+BARRIER_MARKER_ID = 0
+
+Transform = tuple  # ("batch", {"batch_dims": (0,)}) or ("jvp",) and so on
+
+
+@dataclasses.dataclass(frozen=True)
+class Consumer:
+    """What to do with the records of one tap site."""
+
+    func: Callable[..., Any]
+    treedef: tree_util.PyTreeDef
+    transforms: tuple[Transform, ...] = ()
+    with_device: bool = False
+    metadata: tuple[tuple[str, Any], ...] = ()  # sorted (key, value) pairs, e.g. id_print's kwargs
+    name: str = ""
+
+    def call(self, leaves, device) -> Any:
+        """Rebuilds the tapped pytree and calls the consumer the way the legacy API did."""
+        arg = tree_util.tree_unflatten(self.treedef, leaves)
+        if self.with_device:
+            return self.func(arg, self.transforms, device=device)
+        return self.func(arg, self.transforms)
+
+    def with_transform(self, transform: Transform) -> "Consumer":
+        return dataclasses.replace(self, transforms=self.transforms + (transform,))
+
+
+def _freeze(value: Any) -> Any:
+    """A hashable stand-in for transform params and metadata (dicts and lists become tuples)."""
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return ("<unhashable>", id(value))
+    return value
+
+
+class ConsumerRegistry:
+    """Thread-safe map of consumer ids to consumers, deduplicated by value."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_id: dict[int, Consumer] = {}
+        self._by_key: dict[Any, int] = {}
+        self._next = itertools.count(BARRIER_MARKER_ID + 1)
+
+    def register(self, consumer: Consumer) -> int:
+        key = (_freeze(consumer.func), consumer.treedef, _freeze(consumer.transforms),
+               consumer.with_device, _freeze(consumer.metadata), consumer.name)
+        with self._lock:
+            found = self._by_key.get(key)
+            if found is not None:
+                return found
+            consumer_id = next(self._next)
+            self._by_key[key] = consumer_id
+            self._by_id[consumer_id] = consumer
+            return consumer_id
+
+    def get(self, consumer_id: int) -> Consumer:
+        try:
+            return self._by_id[consumer_id]
+        except KeyError:
+            raise KeyError(
+                f"no consumer is registered with id {consumer_id}: the record did not come from a "
+                "tap traced in this process") from None
+
+
+registry = ConsumerRegistry()

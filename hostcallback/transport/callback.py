@@ -1,0 +1,46 @@
+"""The callback transport: the same tap contract on JAX's own host-callback machinery.
+
+For platforms where our native handler is not registered (GPU and TPU today), or when
+``HOSTCALLBACK_TRANSPORT=callback``. JAX hands the callback numpy arrays on the device's thread;
+we copy them into the same outfeed queue the native handler writes, so the same receivers
+deliver them. The callback never builds a jax.Array (that path hangs with several CPU devices
+and large arguments, jax#25861) and never calls the consumer itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from jax._src import callback as jax_callback
+from jax._src import core
+from jax._src.lib.mlir.dialects import hlo
+
+from hostcallback import wire
+from hostcallback._native import outfeed
+
+_PARTITION_AVAL = core.ShapedArray((), np.uint32)
+
+
+def _leaf(array: np.ndarray):
+    array = np.ascontiguousarray(array)
+    return wire.dtype_code(array.dtype), list(array.shape), array.reshape(-1).view(np.uint8)
+
+
+def emit(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
+    devices = ctx.module_context.axis_context.device_assignment or ()
+    ordinals = tuple(d.local_hardware_id for d in devices)
+
+    def enqueue_on_host(partition, *arrays):
+        # The partition id says which device of the computation is calling.
+        ordinal = ordinals[int(partition)] if ordinals else 0
+        if emit_device in (-1, ordinal):
+            outfeed.enqueue(ordinal, consumer_id, [_leaf(a) for a in arrays])
+        return ()
+
+    partition = hlo.partition_id()
+    callback_ctx = dataclasses.replace(ctx, avals_in=[_PARTITION_AVAL, *ctx.avals_in], avals_out=[])
+    _, token_out, _ = jax_callback.emit_python_callback(
+        callback_ctx, enqueue_on_host, token, [partition, *args], callback_ctx.avals_in, [],
+        has_side_effect=True, returns_token=True, sharding=op_sharding)
+    return token_out

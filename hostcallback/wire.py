@@ -1,0 +1,152 @@
+"""The binary layout of one tap record, in one place (the C++ encoder in _native/outfeed.cc mirrors it).
+
+A record is a 64-byte aligned block: a fixed 48-byte header, one descriptor per array, zero padding
+to a multiple of 64, then each array's bytes, each starting 64-byte aligned. docs/wire-format.md
+shows it byte by byte. Decoding never trusts the bytes: every count, size and offset is checked
+against the buffer before an array view is made, so corrupt input raises WireFormatError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+
+import ml_dtypes
+import numpy as np
+
+MAGIC = 0x31424348  # the bytes b"HCB1"
+VERSION = 1
+ALIGNMENT = 64
+FIXED_HEADER = struct.Struct("<IHHQIIQIIQ")  # magic version flags consumer device count seq hdr rsv size
+DESCRIPTOR = struct.Struct("<BBHIQ")  # dtype reserved ndim reserved byte_size, then int64 dims
+MAX_NDIM = 64
+
+# Codes are XLA's PrimitiveType numbers, which the FFI hands the handler as the element type.
+DTYPE_BY_CODE: dict[int, np.dtype] = {
+    1: np.dtype(np.bool_),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.int64),
+    6: np.dtype(np.uint8),
+    7: np.dtype(np.uint16),
+    8: np.dtype(np.uint32),
+    9: np.dtype(np.uint64),
+    10: np.dtype(np.float16),
+    11: np.dtype(np.float32),
+    12: np.dtype(np.float64),
+    15: np.dtype(np.complex64),
+    16: np.dtype(ml_dtypes.bfloat16),
+    18: np.dtype(np.complex128),
+    19: np.dtype(ml_dtypes.float8_e5m2),
+    20: np.dtype(ml_dtypes.float8_e4m3fn),
+    23: np.dtype(ml_dtypes.float8_e4m3b11fnuz),
+    24: np.dtype(ml_dtypes.float8_e5m2fnuz),
+    25: np.dtype(ml_dtypes.float8_e4m3fnuz),
+}
+CODE_BY_DTYPE: dict[np.dtype, int] = {dtype: code for code, dtype in DTYPE_BY_CODE.items()}
+
+
+class WireFormatError(ValueError):
+    """Bytes that are not a well-formed tap record."""
+
+
+class UnsupportedDtypeError(TypeError):
+    """A dtype that has no byte layout on the wire (for example the packed 4-bit types)."""
+
+
+def dtype_code(dtype) -> int:
+    """The wire code of a dtype, or UnsupportedDtypeError naming the dtypes that can be tapped."""
+    dtype = np.dtype(dtype)
+    try:
+        return CODE_BY_DTYPE[dtype]
+    except KeyError:
+        names = ", ".join(sorted(str(d) for d in CODE_BY_DTYPE))
+        raise UnsupportedDtypeError(
+            f"dtype {dtype} cannot be tapped; supported dtypes are: {names}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """One decoded tap: who it is for, where it came from, and its arrays (views, not copies)."""
+
+    consumer_id: int
+    device: int
+    sequence: int
+    arrays: tuple[np.ndarray, ...]
+
+
+def _align(n: int) -> int:
+    return (n + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT
+
+
+def decode_record(buffer) -> Record:
+    """Decodes one record; the arrays are read-only views into ``buffer``."""
+    data = np.frombuffer(buffer, dtype=np.uint8)
+    size = data.size
+    if size < FIXED_HEADER.size:
+        raise WireFormatError(f"record of {size} bytes is shorter than the {FIXED_HEADER.size}-byte header")
+    (magic, version, _flags, consumer_id, device, count, sequence, header_size, _reserved,
+     record_size) = FIXED_HEADER.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise WireFormatError(f"bad magic {magic:#x}; expected {MAGIC:#x} (b'HCB1')")
+    if version != VERSION:
+        raise WireFormatError(f"wire version {version} is not supported (this reader knows {VERSION})")
+    if record_size != size:
+        raise WireFormatError(f"record says it has {record_size} bytes but {size} were given")
+    if header_size > size or header_size % ALIGNMENT:
+        raise WireFormatError(f"header size {header_size} is not a 64-byte multiple within the record")
+    # Each descriptor takes at least DESCRIPTOR.size bytes, which bounds the count before any loop.
+    if count > (header_size - FIXED_HEADER.size) // DESCRIPTOR.size:
+        raise WireFormatError(f"{count} arrays cannot fit in a {header_size}-byte header")
+    arrays = []
+    at = FIXED_HEADER.size
+    offset = header_size
+    for index in range(count):
+        if at + DESCRIPTOR.size > header_size:
+            raise WireFormatError(f"descriptor {index} runs past the header")
+        code, _, ndim, _, byte_size = DESCRIPTOR.unpack_from(data, at)
+        at += DESCRIPTOR.size
+        if ndim > MAX_NDIM or at + 8 * ndim > header_size:
+            raise WireFormatError(f"descriptor {index} has an impossible rank {ndim}")
+        dims = struct.unpack_from(f"<{ndim}q", data, at)
+        at += 8 * ndim
+        dtype = DTYPE_BY_CODE.get(code)
+        if dtype is None:
+            raise WireFormatError(f"array {index} has unknown dtype code {code}")
+        if any(d < 0 for d in dims):
+            raise WireFormatError(f"array {index} has a negative dimension {dims}")
+        offset = _align(offset)
+        if byte_size > size - offset:
+            raise WireFormatError(f"array {index} ({byte_size} bytes) runs past the record end")
+        elements = byte_size // dtype.itemsize
+        if elements * dtype.itemsize != byte_size or int(np.prod(dims, dtype=object)) != elements:
+            raise WireFormatError(f"array {index}: {byte_size} bytes do not hold {dtype}{list(dims)}")
+        view = data[offset:offset + byte_size].view(dtype).reshape(dims)
+        view.flags.writeable = False
+        arrays.append(view)
+        offset += byte_size
+    return Record(consumer_id, device, sequence, tuple(arrays))
+
+
+def encode_record(consumer_id: int, device: int, sequence: int, arrays) -> bytes:
+    """The Python twin of the C++ encoder: for tests, fuzzing and readers in other tools."""
+    arrays = [np.ascontiguousarray(a) for a in arrays]
+    header_size = FIXED_HEADER.size + sum(DESCRIPTOR.size + 8 * a.ndim for a in arrays)
+    header_size = _align(header_size)
+    size = header_size
+    for a in arrays:
+        size = _align(size) + a.nbytes
+    size = _align(max(size, ALIGNMENT))
+    out = bytearray(size)
+    FIXED_HEADER.pack_into(out, 0, MAGIC, VERSION, 0, consumer_id, device, len(arrays), sequence,
+                           header_size, 0, size)
+    at, offset = FIXED_HEADER.size, header_size
+    for a in arrays:
+        DESCRIPTOR.pack_into(out, at, dtype_code(a.dtype), 0, a.ndim, 0, a.nbytes)
+        struct.pack_into(f"<{a.ndim}q", out, at + DESCRIPTOR.size, *a.shape)
+        at += DESCRIPTOR.size + 8 * a.ndim
+        offset = _align(offset)
+        out[offset:offset + a.nbytes] = a.tobytes()
+        offset += a.nbytes
+    return bytes(out)

@@ -4,6 +4,7 @@ The public API, and nothing else. See docs/architecture.md for how a tap travels
 """
 
 from hostcallback.api import barrier_wait, id_print, id_tap, queue_stats, stop_outfeed_receiver
+from hostcallback import config
 from hostcallback.config import configure
 from hostcallback.receiver import CallbackException, ReceiverStoppedError
 
@@ -13,6 +14,7 @@ __all__ = [
     "CallbackException",
     "ReceiverStoppedError",
     "barrier_wait",
+    "config",
     "configure",
     "id_print",
     "id_tap",

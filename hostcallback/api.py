@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
 
-from hostcallback import primitive, printing, transport, wire
+from hostcallback import config, primitive, printing, transport, wire
 from hostcallback.receiver import receivers
 from hostcallback.registry import Consumer, registry
 
@@ -43,12 +43,14 @@ def _leaf_to_array(path, leaf):
     return array
 
 
-def _tap(consumer: Consumer, leaves, device_index: int):
+def _tap(consumer: Consumer, leaves, device_index: int, ordered: bool | None):
     if not isinstance(device_index, int) or device_index < 0:
         raise ValueError(f"device_index must be a non-negative int, got {device_index!r}")
     receivers.ensure_started()
-    return primitive.bind(leaves, consumer_id=registry.register(consumer),
-                          transport=transport.default_transport(), device_index=device_index)
+    return primitive.bind(
+        leaves, consumer_id=registry.register(consumer), transport=transport.default_transport(),
+        ordered=config.settings.ordered if ordered is None else bool(ordered),
+        device_index=device_index)
 
 
 def _flatten(arg):
@@ -57,13 +59,18 @@ def _flatten(arg):
 
 
 def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
-           tap_with_device: bool = False, device_index: int = 0, **kwargs: Any) -> Any:
+           tap_with_device: bool = False, device_index: int = 0, ordered: bool | None = None,
+           **kwargs: Any) -> Any:
     """Sends ``arg`` to ``tap_func(arg, transforms)`` on the host and returns ``arg`` (or ``result``).
 
     The device only copies the values into its outfeed queue and goes on; a receiver thread calls
-    ``tap_func`` later, in program order per device. With ``tap_with_device=True`` the call is
-    ``tap_func(arg, transforms, device=d)``. Errors in ``tap_func`` surface at the next
-    ``barrier_wait()`` as CallbackException.
+    ``tap_func`` later, per device in the order the device produced the records. With
+    ``tap_with_device=True`` the call is ``tap_func(arg, transforms, device=d)``. Errors in
+    ``tap_func`` surface at the next ``barrier_wait()`` as CallbackException.
+
+    Taps of one straight-line block (and of one loop body or branch) run in program order. With
+    ``ordered=True`` (default: ``HOSTCALLBACK_ORDERED``) ordered taps also keep program order across
+    loops, branches and nested jits, at the cost of JAX's slower dispatch (docs/performance.md).
     """
     if kwargs:
         raise TypeError(
@@ -75,7 +82,7 @@ def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
     leaves, treedef = _flatten(arg)
     consumer = Consumer(func=tap_func, treedef=treedef, with_device=tap_with_device,
                         name=getattr(tap_func, "__name__", ""))
-    outs = _tap(consumer, leaves, device_index)
+    outs = _tap(consumer, leaves, device_index, ordered)
     return result if result is not None else tree_util.tree_unflatten(treedef, outs)
 
 
@@ -104,7 +111,7 @@ class _Printer:
 
 def id_print(arg: Any, *, result: Any = None, tap_with_device: bool = False,
              output_stream: TextIO | None = None, threshold: int | None = None,
-             **kwargs: Any) -> Any:
+             ordered: bool | None = None, **kwargs: Any) -> Any:
     """Prints ``arg`` on the host (as ``id_tap`` would deliver it) and returns ``arg`` (or ``result``).
 
     Keyword arguments become a first line of sorted ``key: value`` metadata, e.g.
@@ -115,7 +122,7 @@ def id_print(arg: Any, *, result: Any = None, tap_with_device: bool = False,
     consumer = Consumer(func=printer, treedef=treedef, with_device=tap_with_device,
                         metadata=tuple(sorted((k, repr(v)) for k, v in kwargs.items())),
                         name=str(kwargs.get("what", "id_print")))
-    outs = _tap(consumer, leaves, 0)
+    outs = _tap(consumer, leaves, 0, ordered)
     return result if result is not None else tree_util.tree_unflatten(treedef, outs)
 
 

@@ -36,6 +36,17 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"{name}={raw!r} is not a number") from None
 
 
+def _env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if raw == "":
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}={raw!r}: use 1/true/yes/on or 0/false/no/off")
+
+
 def _env_transport() -> str | None:
     raw = os.environ.get("HOSTCALLBACK_TRANSPORT", "").strip().lower()
     if raw == "":
@@ -51,6 +62,9 @@ class Settings:
 
     # None: native wherever a native handler exists, the callback transport elsewhere.
     transport: str | None = dataclasses.field(default_factory=_env_transport)
+    # Default of the taps' ``ordered`` keyword: strict program order across loops, branches and
+    # calls, at the price of JAX's slower dispatch for computations that hold such taps.
+    ordered: bool = dataclasses.field(default_factory=lambda: _env_bool("HOSTCALLBACK_ORDERED", False))
     # Byte budget of each device's outfeed queue; a full queue makes the device wait.
     max_queue_bytes: int = dataclasses.field(
         default_factory=lambda: _env_int("HOSTCALLBACK_MAX_QUEUE_BYTES", 256 << 20))
@@ -62,9 +76,11 @@ class Settings:
 settings = Settings()
 
 
-def configure(*, transport: str | None = None, max_queue_bytes: int | None = None,
-              exit_timeout_s: float | None = None) -> None:
+def configure(*, transport: str | None = None, ordered: bool | None = None,
+              max_queue_bytes: int | None = None, exit_timeout_s: float | None = None) -> None:
     """Changes settings for taps traced from now on (the queue budget applies at once)."""
+    if ordered is not None:
+        settings.ordered = bool(ordered)
     if transport is not None:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport={transport!r}: choose one of {', '.join(TRANSPORTS)}")
@@ -88,6 +104,6 @@ def override(**changes) -> Iterator[Settings]:
     try:
         yield settings
     finally:
-        configure(transport=before.transport or None, max_queue_bytes=before.max_queue_bytes,
-                  exit_timeout_s=before.exit_timeout_s)
+        configure(transport=before.transport or None, ordered=before.ordered,
+                  max_queue_bytes=before.max_queue_bytes, exit_timeout_s=before.exit_timeout_s)
         settings.transport = before.transport

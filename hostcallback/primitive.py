@@ -1,10 +1,14 @@
 """The ``outside_call`` primitive: a tap that hands its operands to the host and returns them.
 
-Its rules sit below its definition, top to bottom: abstract eval, dead-code elimination,
-batching, jvp, lowering. It declares no JAX effect on purpose: any effect makes JAX dispatch the
-whole computation through its slow Python path (about 70 us a call on a 2-core CPU) even when the
-tap never fires. A tap is instead kept alive by its own DCE rule (and keep_taps.py for the
-control flow around it), and its program order comes from a token chain in the lowering.
+Its rules sit below its definition, top to bottom: effects, abstract eval, dead-code
+elimination, batching, jvp, lowering.
+
+By default a tap declares no JAX effect: any effect sends the whole computation through JAX's
+slow Python dispatch (70 to 180 us a call on a 2-core CPU) even when the tap never fires. Such a
+tap is kept alive by its own DCE rule (and keep_taps.py for the control flow around it) and is
+ordered after the previous tap of the same block by a token chain in the lowering. An
+``ordered=True`` tap declares a shardable ordered effect instead, and JAX threads its token
+through loops, branches and calls: strict program order, at JAX's dispatch cost.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import weakref
 
 import jax
 import numpy as np
-from jax._src import config as jax_config, core, dispatch, sharding_impls
+from jax._src import config as jax_config, core, dispatch, effects, sharding_impls
 from jax._src.interpreters import batching, mlir, partial_eval as pe
 from jax._src.interpreters import ad
 from jax._src.lib.mlir import ir
@@ -34,9 +38,27 @@ ALL_DEVICES = -1
 NO_LOCAL_DEVICE = -2
 
 
-def bind(leaves, *, consumer_id: int, transport: str, device_index: int = 0):
+def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
+         device_index: int = 0):
     return outside_call_p.bind(*leaves, consumer_id=consumer_id, transport=transport,
-                               device_index=device_index, emit_device=ALL_DEVICES)
+                               ordered=ordered, device_index=device_index,
+                               emit_device=ALL_DEVICES)
+
+
+# ---- effects ---------------------------------------------------------------------------------
+
+
+class OrderedTapEffect(effects.Effect):
+    """Taps that keep strict program order with each other, on each device."""
+
+    __str__ = __repr__ = lambda self: "HostcallbackOrderedTap"  # noqa: E731
+
+
+ordered_tap_effect = OrderedTapEffect()
+for _effect_set in (effects.lowerable_effects, effects.control_flow_allowed_effects,
+                    effects.ordered_effects, effects.shardable_ordered_effects,
+                    effects.custom_derivatives_allowed_effects, effects.remat_allowed_effects):
+    _effect_set.add_type(OrderedTapEffect)
 
 
 # ---- evaluation ------------------------------------------------------------------------------
@@ -47,7 +69,13 @@ def _impl(*args, **params):
 
 
 outside_call_p.def_impl(_impl)
-outside_call_p.def_abstract_eval(lambda *avals, **params: avals)
+
+
+def _abstract_eval(*avals, ordered, **params):
+    return avals, ({ordered_tap_effect} if ordered else core.no_effects)
+
+
+outside_call_p.def_effectful_abstract_eval(_abstract_eval)
 
 
 def _dce_rule(used_outputs, eqn):
@@ -125,6 +153,8 @@ def _lower_in_manual_region(ctx, args, *, device_index, **params):
     plain = [core.ShapedArray(a.shape, a.dtype) for a in ctx.avals_in]
     region_ctx = dataclasses.replace(ctx, avals_in=plain, avals_out=plain)
     outs = mlir.lower_fun(region, multiple_results=True)(region_ctx, *args)
+    if region_ctx.tokens_out is not None:
+        ctx.set_tokens_out(region_ctx.tokens_out)
     return outs
 
 
@@ -136,16 +166,7 @@ def _token_chain(ctx) -> dict:
     return _token_chains.setdefault(ctx.module_context.module, {})
 
 
-def _chain_token(ctx):
-    """The token of the last tap emitted in the current block, so taps keep program order."""
-    return _token_chain(ctx).get(ir.InsertionPoint.current.block)
-
-
-def _set_chain_token(ctx, token) -> None:
-    _token_chain(ctx)[ir.InsertionPoint.current.block] = token
-
-
-def _lowering(ctx, *args, consumer_id, transport, device_index, emit_device, platform):
+def _lowering(ctx, *args, consumer_id, transport, ordered, device_index, emit_device, platform):
     from hostcallback.transport import emitter_for
 
     axis_context = ctx.module_context.axis_context
@@ -159,12 +180,21 @@ def _lowering(ctx, *args, consumer_id, transport, device_index, emit_device, pla
     elif (isinstance(axis_context, sharding_impls.ShardingContext)
           and axis_context.num_devices > 1):
         return _lower_in_manual_region(ctx, args, consumer_id=consumer_id, transport=transport,
-                                       device_index=device_index)
+                                       ordered=ordered, device_index=device_index)
     emit = emitter_for(transport, platform)
-    token = _chain_token(ctx) or mlir.hlo.create_token()
+    if ordered:
+        # JAX threads this token through loops, branches and calls: strict program order.
+        token = ctx.tokens_in.get(ordered_tap_effect)
+    else:
+        # Our own chain: program order among the taps of one block (straight-line code).
+        block = ir.InsertionPoint.current.block
+        token = _token_chain(ctx).get(block) or mlir.hlo.create_token()
     token = emit(ctx, list(args), consumer_id=consumer_id, emit_device=emit_device,
                  token=token, op_sharding=op_sharding)
-    _set_chain_token(ctx, token)
+    if ordered:
+        ctx.set_tokens_out(mlir.TokenSet({ordered_tap_effect: token}))
+    else:
+        _token_chain(ctx)[block] = token
     return list(args)
 
 

@@ -131,7 +131,7 @@ def decode_record(buffer) -> Record:
 
 def encode_record(consumer_id: int, device: int, sequence: int, arrays) -> bytes:
     """The Python twin of the C++ encoder: for tests, fuzzing and readers in other tools."""
-    arrays = [np.ascontiguousarray(a) for a in arrays]
+    arrays = [np.asarray(a, order="C") for a in arrays]  # 0-d stays 0-d
     header_size = FIXED_HEADER.size + sum(DESCRIPTOR.size + 8 * a.ndim for a in arrays)
     header_size = _align(header_size)
     size = header_size

@@ -23,7 +23,7 @@ _PARTITION_AVAL = core.ShapedArray((), np.uint32)
 
 
 def _leaf(array: np.ndarray):
-    array = np.ascontiguousarray(array)
+    array = np.asarray(array, order="C")  # unlike ascontiguousarray, keeps 0-d arrays 0-d
     return wire.dtype_code(array.dtype), list(array.shape), array.reshape(-1).view(np.uint8)
 
 

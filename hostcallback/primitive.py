@@ -91,7 +91,7 @@ pe.dce_rules[outside_call_p] = _dce_rule
 
 def _batching_rule(args, dims, *, consumer_id, **params):
     """One tap of the whole batch; the consumer learns which axis of each leaf is the batch."""
-    batch_dims = tuple(None if d is batching.not_mapped else d for d in dims)
+    batch_dims = tuple(dims)  # None marks a leaf that is not batched
     batched = registry.get(consumer_id).with_transform(("batch", {"batch_dims": batch_dims}))
     outs = outside_call_p.bind(*args, consumer_id=registry.register(batched), **params)
     return outs, dims

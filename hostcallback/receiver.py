@@ -5,9 +5,12 @@ decodes records (wire.py), and calls the registered consumer; records of one dev
 one at a time, in the order the device produced them. A consumer that raises is logged and
 remembered; later records still flow, and the next barrier_wait raises CallbackException.
 
-barrier_wait sends a marker computation to every local device and waits until each device's
-receiver has handled its marker: XLA runs the computations of one device in the order they were
-dispatched, so every tap dispatched before the barrier was handled before its marker.
+barrier_wait sends marker computations and waits until every device's receiver has handled
+them. XLA's CPU client runs single-device computations one after another (client-wide) and
+multi-device computations one after another, but the two kinds independently of each other. So
+each barrier sends one single-device marker to every device and one marker computation over all
+local devices: each kind of computation dispatched before the barrier finished, and its taps
+were handled, before the marker of its kind.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class ReceiverPool:
         self._marker_seen = threading.Condition(self._lock)
         self._threads: dict[int, threading.Thread] = {}
         self._devices: dict[int, Any] = {}
-        self._markers: dict[int, int] = {}
+        self._markers: dict[int, set[int]] = {}
         self._delivered: dict[int, int] = {}
         self._first_failure: _Failure | None = None
         self._last_failure: _Failure | None = None
@@ -70,7 +73,8 @@ class ReceiverPool:
         self._stopping = threading.Event()
         self._stopped = False
         self._local = threading.local()
-        self._marker_computation = None
+        self._single_device_marker = None
+        self._all_devices_marker = None
 
     # ---- lifecycle ----
 
@@ -90,7 +94,7 @@ class ReceiverPool:
             for device in jax.local_devices():
                 ordinal = device.local_hardware_id
                 self._devices[ordinal] = device
-                self._markers[ordinal] = 0
+                self._markers[ordinal] = set()
                 self._delivered[ordinal] = 0
                 thread = threading.Thread(target=self._receive, args=(ordinal,), daemon=True,
                                           name=f"hostcallback-receiver-{ordinal}")
@@ -162,7 +166,7 @@ class ReceiverPool:
             record = wire.decode_record(raw)
             if record.consumer_id == BARRIER_MARKER_ID:
                 with self._lock:
-                    self._markers[ordinal] = max(self._markers[ordinal], int(record.arrays[0]))
+                    self._markers[ordinal].add(int(record.arrays[0]))
                     self._marker_seen.notify_all()
                 return
             consumer = self._consumers.get(record.consumer_id)
@@ -200,38 +204,57 @@ class ReceiverPool:
 
     def _wait_for_markers(self, logging_name: str | None, timeout: float | None) -> None:
         with self._lock:
-            marker = next(self._next_marker)
+            marker = 2 * next(self._next_marker)
+        expected = {marker, marker + 1} if len(self._devices) > 1 else {marker}
         if logging_name:
             logger.debug("hostcallback: barrier %s (marker %d) starts", logging_name, marker)
-        computation = self._marker_computation_for()
-        for ordinal, device in self._devices.items():
-            computation(jax.device_put(np.uint64(marker), device))
+        self._send_markers(marker)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            while True:
-                behind = [o for o in self._devices if self._markers[o] < marker]
-                if not behind:
-                    break
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    pending = {str(self._devices[o]): outfeed.stats(o)["records_enqueued"]
-                               - self._delivered[o] for o in behind}
-                    raise TimeoutError(
-                        f"barrier_wait{f' ({logging_name})' if logging_name else ''} timed out "
-                        f"after {timeout} s; records still to be handled per device: {pending}. "
-                        "A consumer may be slow or stuck.")
-                self._marker_seen.wait(remaining if remaining is not None else _POLL_SECONDS)
+            try:
+                while True:
+                    behind = [o for o in self._devices if not expected <= self._markers[o]]
+                    if not behind:
+                        break
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        pending = {str(self._devices[o]): outfeed.stats(o)["records_enqueued"]
+                                   - self._delivered[o] for o in behind}
+                        raise TimeoutError(
+                            f"barrier_wait{f' ({logging_name})' if logging_name else ''} timed "
+                            f"out after {timeout} s; records still to be handled per device: "
+                            f"{pending}. A consumer may be slow or stuck.")
+                    self._marker_seen.wait(remaining if remaining is not None else _POLL_SECONDS)
+            finally:
+                for seen in self._markers.values():
+                    seen.difference_update(expected)
         if logging_name:
             logger.debug("hostcallback: barrier %s (marker %d) done", logging_name, marker)
 
-    def _marker_computation_for(self):
-        if self._marker_computation is None:
-            from hostcallback import primitive, transport
+    def _send_markers(self, marker: int) -> None:
+        """A single-device marker (value ``marker``) to each device, and one computation over all
+        local devices that sends ``marker + 1`` from each of them."""
+        from hostcallback import primitive, transport
 
+        if self._single_device_marker is None:
             transport_name = transport.default_transport()
-            self._marker_computation = jax.jit(lambda x: primitive.bind(
-                [x], consumer_id=BARRIER_MARKER_ID, transport=transport_name))
-        return self._marker_computation
+
+            def tap_marker(x):
+                return primitive.bind([x], consumer_id=BARRIER_MARKER_ID, transport=transport_name)
+
+            self._single_device_marker = jax.jit(tap_marker)
+            if len(self._devices) > 1:
+                mesh = jax.sharding.Mesh(np.array(list(self._devices.values())), ("devices",))
+                spec = jax.sharding.PartitionSpec("devices")
+                self._all_devices_marker = (jax.jit(jax.shard_map(
+                    lambda x: tap_marker(x.reshape(()))[0].reshape(1), mesh=mesh, in_specs=spec,
+                    out_specs=spec)), jax.sharding.NamedSharding(mesh, spec))
+        for device in self._devices.values():
+            self._single_device_marker(jax.device_put(np.uint64(marker), device))
+        if self._all_devices_marker is not None:
+            computation, sharding = self._all_devices_marker
+            markers = np.full(len(self._devices), marker + 1, dtype=np.uint64)
+            computation(jax.device_put(markers, sharding))
 
     def _raise_failures(self) -> None:
         with self._lock:

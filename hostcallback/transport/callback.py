@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 from jax._src import callback as jax_callback
-from jax._src import core
+from jax._src import core, sharding_impls
 from jax._src.lib.mlir.dialects import hlo
 
 from hostcallback import wire
@@ -27,9 +27,15 @@ def _leaf(array: np.ndarray):
     return wire.dtype_code(array.dtype), list(array.shape), array.reshape(-1).view(np.uint8)
 
 
+def _devices_by_partition(axis_context) -> tuple:
+    """The devices of the computation, indexed by XLA's partition id."""
+    if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+        return tuple(axis_context.mesh.devices.flat)
+    return tuple(getattr(axis_context, "device_assignment", None) or ())
+
+
 def emit(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
-    devices = ctx.module_context.axis_context.device_assignment or ()
-    ordinals = tuple(d.local_hardware_id for d in devices)
+    ordinals = tuple(d.local_hardware_id for d in _devices_by_partition(ctx.module_context.axis_context))
 
     def enqueue_on_host(partition, *arrays):
         # The partition id says which device of the computation is calling.

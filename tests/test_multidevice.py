@@ -1,0 +1,82 @@
+"""Four CPU devices (conftest forces them): pmap, shard_map and sharded jit."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import hostcallback as hcb
+
+
+def by_device(collector):
+    return {device.id: np.asarray(arg) for arg, _, device in collector.calls}
+
+
+def test_there_are_four_devices():
+    assert jax.device_count() == 4
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_pmap_delivers_each_slice_from_its_own_device(transport, collector, ordered):
+    f = jax.pmap(lambda x: hcb.id_tap(collector, x * 2, tap_with_device=True, ordered=ordered))
+    f(jnp.arange(4.0))
+    hcb.barrier_wait()
+    assert by_device(collector) == {0: 0.0, 1: 2.0, 2: 4.0, 3: 6.0}
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_shard_map_delivers_each_shard_from_its_own_device(transport, collector, ordered):
+    mesh = jax.make_mesh((4,), ("i",))
+    tap = functools.partial(hcb.id_tap, collector, tap_with_device=True, ordered=ordered)
+    f = jax.jit(jax.shard_map(lambda x: tap(x + 1), mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+    f(jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i"))))
+    hcb.barrier_wait()
+    got = by_device(collector)
+    assert sorted(got) == [0, 1, 2, 3]
+    for device_id, shard in got.items():
+        np.testing.assert_array_equal(shard, [2 * device_id + 1, 2 * device_id + 2])
+
+
+@pytest.mark.parametrize("device_index", [0, 2])
+def test_sharded_jit_taps_the_whole_value_once_on_device_index(transport, collector, device_index):
+    mesh = jax.make_mesh((4,), ("i",))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+    out = jax.jit(lambda x: hcb.id_tap(collector, x * 3, tap_with_device=True,
+                                       device_index=device_index) + 1)(x)
+    hcb.barrier_wait()
+    ((arg, _, device),) = collector.calls
+    np.testing.assert_array_equal(arg, np.arange(8.0) * 3)
+    assert device == jax.devices()[device_index]
+    np.testing.assert_array_equal(out, np.arange(8.0) * 3 + 1)
+
+
+def test_sharded_jit_refuses_an_out_of_range_device_index(collector):
+    mesh = jax.make_mesh((4,), ("i",))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+    with pytest.raises(ValueError, match="device_index=4 is out of range"):
+        jax.jit(lambda x: hcb.id_tap(collector, x, device_index=4))(x)
+
+
+def test_large_taps_on_four_devices_arrive_intact(transport, collector):
+    value = np.arange(4 * 256 * 1024, dtype=np.float32).reshape(4, -1)  # 1 MiB per device
+    jax.pmap(lambda x: hcb.id_tap(collector, x, tap_with_device=True))(value)
+    hcb.barrier_wait()
+    got = by_device(collector)
+    for device_id in range(4):
+        np.testing.assert_array_equal(got[device_id], value[device_id])
+
+
+def test_each_device_delivers_in_its_own_program_order(transport, collector):
+    def f(x):
+        for i in range(20):
+            hcb.id_tap(collector, x + i, tap_with_device=True)
+        return x
+
+    jax.pmap(f)(jnp.arange(4) * 100)
+    hcb.barrier_wait()
+    for device_id in range(4):
+        seen = [int(a) for a, _, d in collector.calls if d.id == device_id]
+        assert seen == [100 * device_id + i for i in range(20)]

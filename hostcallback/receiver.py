@@ -272,10 +272,11 @@ class ReceiverPool:
 
     def queue_stats(self) -> dict[Any, dict[str, Any]]:
         """Per local device: the native queue's counters plus records handled by the receiver."""
+        devices = self._devices or {d.local_hardware_id: d for d in jax.local_devices()}
         out = {}
-        for ordinal, device in self._devices.items():
+        for ordinal, device in devices.items():
             stats = dict(outfeed.stats(ordinal))
-            stats["records_handled"] = self._delivered[ordinal]
+            stats["records_handled"] = self._delivered.get(ordinal, 0)
             out[device] = stats
         return out
 

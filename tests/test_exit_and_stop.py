@@ -1,0 +1,103 @@
+"""Interpreter exit delivers pending taps; stop_outfeed_receiver drains, then refuses taps."""
+
+import pytest
+
+from conftest import run_python
+
+SLOW_TAPS = """
+    import sys, time
+    import jax
+    from jax import lax
+    import hostcallback as hcb
+
+    def slow_print(arg, transforms):
+        time.sleep(0.01)
+        print("tap", int(arg), flush=True)
+
+    jax.jit(lambda x: lax.fori_loop(0, 50, lambda i, c: hcb.id_tap(slow_print, i), x))(0)
+    {ending}
+    """
+
+
+@pytest.mark.parametrize("ending,code", [
+    ("pass", 0),
+    ("sys.exit(3)", 3),
+    ("raise RuntimeError('uncaught')", 1),
+])
+@pytest.mark.parametrize("transport", ["native", "callback"])
+def test_pending_taps_are_delivered_at_exit(ending, code, transport):
+    result = run_python(SLOW_TAPS.format(ending=ending), env={"HOSTCALLBACK_TRANSPORT": transport})
+    assert result.returncode == code, result.stderr
+    assert result.stdout.split("\n")[:50] == [f"tap {i}" for i in range(50)]
+
+
+def test_a_consumer_that_hangs_at_exit_ends_after_the_exit_timeout_with_a_warning():
+    result = run_python("""
+        import threading
+        import jax
+        import hostcallback as hcb
+        forever = threading.Event()
+        tap = jax.jit(lambda x: hcb.id_tap(lambda a, t: forever.wait(), x))
+        for i in range(3):
+            tap(i)
+        """, env={"HOSTCALLBACK_EXIT_TIMEOUT": "1"}, timeout=60)
+    assert result.returncode == 0
+    assert "tap records were not delivered before exit" in result.stderr
+
+
+def test_stop_delivers_everything_queued_first():
+    result = run_python("""
+        import time
+        import jax
+        import hostcallback as hcb
+        seen = []
+        def slow(arg, transforms):
+            time.sleep(0.01)
+            seen.append(int(arg))
+        jax.jit(lambda x: jax.lax.fori_loop(0, 30, lambda i, c: hcb.id_tap(slow, i), x))(0)
+        hcb.stop_outfeed_receiver()
+        print(seen == list(range(30)))
+        """)
+    assert result.stdout.strip() == "True", result.stderr
+
+
+def test_tracing_a_tap_after_stop_is_a_clear_error():
+    result = run_python("""
+        import hostcallback as hcb
+        hcb.id_tap(lambda a, t: None, 1.0)
+        hcb.stop_outfeed_receiver()
+        try:
+            hcb.id_tap(lambda a, t: None, 2.0)
+        except hcb.ReceiverStoppedError as error:
+            print("refused:", error)
+        """)
+    assert "refused: hostcallback's outfeed receiver was stopped" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("transport", ["native", "callback"])
+def test_running_a_compiled_tap_after_stop_fails_clearly_and_the_process_lives(transport):
+    result = run_python("""
+        import jax
+        import hostcallback as hcb
+        tap = jax.jit(lambda x: hcb.id_tap(lambda a, t: None, x) + 1)
+        tap(1.0).block_until_ready()
+        hcb.stop_outfeed_receiver()
+        try:
+            tap(2.0).block_until_ready()
+        except Exception as error:
+            print("failed:", type(error).__name__, "stopped" in str(error))
+        print("alive")
+        """, env={"HOSTCALLBACK_TRANSPORT": transport})
+    assert "failed:" in result.stdout and "True" in result.stdout, result.stdout + result.stderr
+    assert "alive" in result.stdout
+
+
+def test_barrier_after_stop_returns_at_once():
+    result = run_python("""
+        import hostcallback as hcb
+        hcb.id_tap(lambda a, t: None, 1.0)
+        hcb.stop_outfeed_receiver()
+        hcb.barrier_wait(timeout=5)
+        print("ok")
+        """)
+    assert result.stdout.strip() == "ok", result.stderr

@@ -1,0 +1,79 @@
+"""The outfeed queues: byte budget, backpressure, oversize records, statistics."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import hostcallback as hcb
+from hostcallback import config
+
+
+def device_stats():
+    return hcb.queue_stats()[jax.devices()[0]]
+
+
+def test_a_full_queue_makes_the_device_wait_and_drops_nothing(transport, collector):
+    def slow(arg, transforms):
+        time.sleep(0.005)
+        collector(int(arg[0]), transforms)
+
+    before = device_stats()
+    with config.override(max_queue_bytes=64 * 1024):
+        loop = jax.jit(lambda x: lax.fori_loop(
+            0, 40, lambda i, c: (hcb.id_tap(slow, c + i), c)[1], x))
+        loop(jnp.zeros(4096, jnp.float32))  # 16 KiB per record: at most 4 fit
+        hcb.barrier_wait()
+    after = device_stats()
+    assert collector.values == list(range(40))
+    assert after["waits"] > before["waits"]
+    assert after["wait_seconds"] > before["wait_seconds"]
+    assert after["peak_bytes_queued"] >= 16 * 1024
+
+
+def test_a_record_larger_than_the_budget_is_still_delivered(transport, collector):
+    with config.override(max_queue_bytes=64 * 1024):
+        value = np.arange(1 << 20, dtype=np.float32)  # 4 MiB, 64 times the budget
+        jax.jit(lambda x: hcb.id_tap(collector, x))(value)
+        hcb.barrier_wait()
+    np.testing.assert_array_equal(collector.values[0], value)
+
+
+def test_statistics_count_records_and_bytes(transport, collector):
+    before = device_stats()
+    jax.jit(lambda x: lax.fori_loop(0, 10, lambda i, c: hcb.id_tap(collector, c), x))(
+        jnp.zeros(256, jnp.float32))
+    hcb.barrier_wait()
+    after = device_stats()
+    # 10 taps plus the barrier's 2 markers for this device
+    assert after["records_enqueued"] - before["records_enqueued"] == 12
+    assert after["records_delivered"] == after["records_enqueued"]
+    assert after["records_handled"] == after["records_enqueued"]
+    assert after["bytes_enqueued"] - before["bytes_enqueued"] >= 10 * 1024
+    assert after["bytes_queued"] == 0
+
+
+def test_the_budget_comes_from_the_environment(tmp_path):
+    from conftest import run_python
+
+    result = run_python("""
+        import hostcallback as hcb
+        from hostcallback import config
+        from hostcallback._native import outfeed
+        import jax
+        hcb.id_tap(lambda a, t: None, 1.0)
+        hcb.barrier_wait()
+        print(config.settings.max_queue_bytes, outfeed.max_queue_bytes())
+        """, env={"HOSTCALLBACK_MAX_QUEUE_BYTES": "12345"}, devices=1)
+    assert result.stdout.split() == ["12345", "12345"], result.stderr
+
+
+def test_a_bad_budget_in_the_environment_is_a_clear_error():
+    from conftest import run_python
+
+    result = run_python("import hostcallback", env={"HOSTCALLBACK_MAX_QUEUE_BYTES": "lots"},
+                        devices=1)
+    assert result.returncode != 0
+    assert "HOSTCALLBACK_MAX_QUEUE_BYTES='lots' is not an integer" in result.stderr

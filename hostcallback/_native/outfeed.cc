@@ -57,11 +57,60 @@ void Put(uint8_t* at, T value) {
   std::memcpy(at, &value, sizeof(T));
 }
 
-// A record's bytes, 64-byte aligned; freed with std::free by whoever holds it last.
+// A record's bytes, 64-byte aligned; handed back with ReleaseRecord by whoever holds it last.
 struct Record {
   uint8_t* data = nullptr;
   size_t size = 0;
 };
+
+// Recycles large record buffers. A fresh multi-megabyte allocation is a new mapping whose pages
+// fault in on first touch, which costs more than the copy itself; taps in a loop reuse one size.
+class BufferPool {
+ public:
+  static constexpr size_t kMinPooledBytes = 64 << 10;
+  static constexpr size_t kMaxPooledBytes = 64 << 20;
+
+  uint8_t* Get(size_t size) {
+    if (size >= kMinPooledBytes) {
+      std::lock_guard<std::mutex> lock(mu_);
+      for (auto it = free_.begin(); it != free_.end(); ++it) {
+        if (it->second == size) {
+          uint8_t* data = it->first;
+          pooled_bytes_ -= size;
+          free_.erase(it);
+          return data;
+        }
+      }
+    }
+    return static_cast<uint8_t*>(std::aligned_alloc(kAlignment, size));
+  }
+
+  void Put(uint8_t* data, size_t size) {
+    if (size >= kMinPooledBytes) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (pooled_bytes_ + size <= kMaxPooledBytes) {
+        free_.emplace_back(data, size);
+        pooled_bytes_ += size;
+        return;
+      }
+    }
+    std::free(data);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::pair<uint8_t*, size_t>> free_;
+  size_t pooled_bytes_ = 0;
+};
+
+BufferPool g_pool;
+
+// Returns a record's buffer; its size is in its own header.
+void ReleaseRecord(uint8_t* data) {
+  uint64_t size;
+  std::memcpy(&size, data + 40, sizeof(size));
+  g_pool.Put(data, size);
+}
 
 Record EncodeRecord(uint64_t consumer_id, uint32_t device, const std::vector<ArrayView>& arrays) {
   size_t header = kFixedHeaderBytes;
@@ -72,7 +121,7 @@ Record EncodeRecord(uint64_t consumer_id, uint32_t device, const std::vector<Arr
   size = AlignUp(std::max<size_t>(size, kAlignment));
 
   Record r;
-  r.data = static_cast<uint8_t*>(std::aligned_alloc(kAlignment, size));
+  r.data = g_pool.Get(size);
   if (r.data == nullptr) return r;
   r.size = size;
   std::memset(r.data, 0, header);
@@ -225,7 +274,7 @@ std::string Enqueue(int device, uint64_t consumer_id, const std::vector<ArrayVie
   Record record = EncodeRecord(consumer_id, static_cast<uint32_t>(device), arrays);
   if (record.data == nullptr) return "hostcallback: out of host memory for a tap record";
   if (!queue->Push(record)) {
-    std::free(record.data);
+    ReleaseRecord(record.data);
     return "hostcallback: the outfeed receiver was stopped (stop_outfeed_receiver()); "
            "taps cannot be delivered in this process any more";
   }
@@ -288,7 +337,7 @@ nb::list Drain(int device, size_t max_records, size_t max_bytes, double timeout_
   }
   nb::list out;
   for (Record& r : records) {
-    nb::capsule owner(r.data, [](void* p) noexcept { std::free(p); });
+    nb::capsule owner(r.data, [](void* p) noexcept { ReleaseRecord(static_cast<uint8_t*>(p)); });
     size_t shape[1] = {r.size};
     out.append(ByteArray(r.data, 1, shape, owner));
   }

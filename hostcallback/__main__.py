@@ -1,0 +1,23 @@
+"""``python -m hostcallback demo``: runs the demo training loop."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="hostcallback", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo = commands.add_parser("demo", help="train a small model, tapping loss and gradient norm")
+    demo.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from hostcallback import demo as demo_module
+
+        demo_module.run(steps=args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""What a tap compiled into a training step costs the step, against jax.debug.callback.
+
+A small MLP step (64 x 256 inputs, 256 x 256 weights) is run back to back, its results fed to the
+next step, the way a training loop runs. Variants: no tap; a tap of the loss that fires every step;
+a tap inside a cond that never fires (what every 'print every N steps' costs on the other steps);
+each for hostcallback (default and ordered=True) and jax.debug.callback.
+
+Usage: python bench/step_overhead.py [--steps N] [--rounds R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import hostcallback as hcb
+
+
+def discard(*args):
+    return None
+
+
+def make_step(tap):
+    x = jnp.ones((64, 256))
+
+    @jax.jit
+    def step(w):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        tap(loss)
+        return w - 0.01 * g
+
+    return step
+
+
+TAPS = {
+    "no tap": lambda loss: None,
+    "hostcallback, every step": lambda loss: hcb.id_tap(discard, loss),
+    "hostcallback, never fires": lambda loss: lax.cond(
+        loss < -1, lambda: (hcb.id_tap(discard, loss), None)[1], lambda: None),
+    "hostcallback ordered, every step": lambda loss: hcb.id_tap(discard, loss, ordered=True),
+    "hostcallback ordered, never fires": lambda loss: lax.cond(
+        loss < -1, lambda: (hcb.id_tap(discard, loss, ordered=True), None)[1], lambda: None),
+    "debug.callback, every step": lambda loss: jax.debug.callback(discard, loss),
+    "debug.callback, never fires": lambda loss: lax.cond(
+        loss < -1, lambda: jax.debug.callback(discard, loss), lambda: None),
+}
+
+
+def main(argv=None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    steps = {name: make_step(tap) for name, tap in TAPS.items()}
+    w0 = jnp.ones((256, 256)) * 0.01
+    for step in steps.values():
+        step(w0).block_until_ready()
+    best = {name: float("inf") for name in steps}
+    for _ in range(args.rounds):  # interleaved, so that machine noise hits every variant alike
+        for name, step in steps.items():
+            w = w0
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                w = step(w)
+            w.block_until_ready()
+            best[name] = min(best[name], (time.perf_counter() - start) / args.steps)
+    hcb.barrier_wait()
+    jax.effects_barrier()
+    base = best["no tap"]
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; best of {args.rounds} rounds "
+          f"of {args.steps} steps")
+    print(f"{'variant':<36}{'us/step':>10}{'added us':>10}")
+    for name, seconds in best.items():
+        print(f"{name:<36}{seconds * 1e6:>10.1f}{(seconds - base) * 1e6:>10.1f}")
+    return best
+
+
+if __name__ == "__main__":
+    main()

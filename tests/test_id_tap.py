@@ -202,3 +202,13 @@ def test_none_leaves_are_part_of_the_structure(transport, collector):
     jax.jit(lambda x: hcb.id_tap(collector, (x, None)))(jnp.float32(3))
     hcb.barrier_wait()
     assert collector.values[0][1] is None and collector.values[0][0] == 3
+
+
+def test_ranks_beyond_the_wire_limit_are_refused():
+    with pytest.raises(ValueError, match="rank 65; taps support rank up to 64"):
+        hcb.id_tap(lambda a, t: None, np.zeros((1,) * 65, np.float32))
+
+
+def test_a_bad_device_index_is_refused():
+    with pytest.raises(ValueError, match="device_index must be a non-negative int"):
+        hcb.id_tap(lambda a, t: None, 1.0, device_index=-1)

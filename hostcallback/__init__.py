@@ -6,16 +6,19 @@ The public API, and nothing else. See docs/architecture.md for how a tap travels
 from hostcallback.api import barrier_wait, id_print, id_tap, queue_stats, stop_outfeed_receiver
 from hostcallback import config
 from hostcallback.config import configure
-from hostcallback.receiver import CallbackException, ReceiverStoppedError
+from hostcallback.receiver import (CallbackException, ReceiverStoppedError, RecordContext,
+                                   current_record)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CallbackException",
     "ReceiverStoppedError",
+    "RecordContext",
     "barrier_wait",
     "config",
     "configure",
+    "current_record",
     "id_print",
     "id_tap",
     "queue_stats",

@@ -16,10 +16,12 @@ were handled, before the marker of its kind.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
 import threading
 import time
+import weakref
 from typing import Any
 
 import jax
@@ -43,6 +45,23 @@ class CallbackException(Exception):
 
 class ReceiverStoppedError(RuntimeError):
     """The receivers were stopped with stop_outfeed_receiver(); taps cannot be delivered any more."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordContext:
+    """The record a consumer is being called for: where it came from and its place in line."""
+
+    device: Any
+    sequence: int
+    consumer_id: int
+
+
+_current = threading.local()
+
+
+def current_record() -> RecordContext | None:
+    """Inside a tap consumer: the record it was called for; elsewhere None."""
+    return getattr(_current, "record", None)
 
 
 class _Failure:
@@ -73,6 +92,7 @@ class ReceiverPool:
         self._stopping = threading.Event()
         self._stopped = False
         self._local = threading.local()
+        self._flush_hooks: "weakref.WeakSet" = weakref.WeakSet()
         self._single_device_marker = None
         self._all_devices_marker = None
 
@@ -135,9 +155,11 @@ class ReceiverPool:
 
     def _at_exit(self) -> None:
         if not self.started:
+            self._run_flush_hooks()
             return
         timeout = config.settings.exit_timeout_s
         undelivered = self.stop(timeout=timeout)
+        self._run_flush_hooks()
         if undelivered:
             logger.warning("hostcallback: %d tap records were not delivered before exit (waited "
                            "%.1f s; set HOSTCALLBACK_EXIT_TIMEOUT to wait longer)",
@@ -171,7 +193,11 @@ class ReceiverPool:
                 return
             consumer = self._consumers.get(record.consumer_id)
             consumer_name = consumer.name or getattr(consumer.func, "__name__", repr(consumer.func))
-            consumer.call(list(record.arrays), device)
+            _current.record = RecordContext(device, record.sequence, record.consumer_id)
+            try:
+                consumer.call(list(record.arrays), device)
+            finally:
+                _current.record = None
         except Exception as error:  # a consumer's error must never stop the receiver
             logger.error("hostcallback: tap consumer %s raised on %s", consumer_name, device,
                          exc_info=error)
@@ -199,8 +225,21 @@ class ReceiverPool:
                 "computation, outside any transformation.")
         if self.started:
             self._wait_for_markers(logging_name, timeout)
+        self._run_flush_hooks()
         if raise_errors:
             self._raise_failures()
+
+    def add_flush_hook(self, owner) -> None:
+        """Calls ``owner.flush()`` after every barrier and at exit, for as long as owner lives
+        (sinks that buffer use it so that a barrier also means 'on disk')."""
+        self._flush_hooks.add(owner)
+
+    def _run_flush_hooks(self) -> None:
+        for owner in list(self._flush_hooks):
+            try:
+                owner.flush()
+            except Exception:
+                logger.exception("hostcallback: flushing %r failed", owner)
 
     def _wait_for_markers(self, logging_name: str | None, timeout: float | None) -> None:
         with self._lock:

@@ -115,7 +115,7 @@ def _local_ordinal(device) -> int:
     """The ordinal XLA gives the FFI handler for a device, or NO_LOCAL_DEVICE if it is remote."""
     if device.process_index != jax.process_index():
         return NO_LOCAL_DEVICE
-    return device.local_hardware_id
+    return device.id
 
 
 def _manual_sharding(num_results: int):

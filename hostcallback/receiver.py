@@ -112,7 +112,7 @@ class ReceiverPool:
                 return
             outfeed.set_max_queue_bytes(config.settings.max_queue_bytes)
             for device in jax.local_devices():
-                ordinal = device.local_hardware_id
+                ordinal = device.id  # what XLA hands the FFI handler as the device ordinal
                 self._devices[ordinal] = device
                 self._markers[ordinal] = set()
                 self._delivered[ordinal] = 0
@@ -311,7 +311,7 @@ class ReceiverPool:
 
     def queue_stats(self) -> dict[Any, dict[str, Any]]:
         """Per local device: the native queue's counters plus records handled by the receiver."""
-        devices = self._devices or {d.local_hardware_id: d for d in jax.local_devices()}
+        devices = self._devices or {d.id: d for d in jax.local_devices()}
         out = {}
         for ordinal, device in devices.items():
             stats = dict(outfeed.stats(ordinal))

@@ -8,7 +8,6 @@
 // another copy. Every decision that is not about copying bytes lives in Python.
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -19,6 +18,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "nanobind/nanobind.h"
@@ -41,7 +41,6 @@ constexpr size_t kFixedHeaderBytes = 48;
 constexpr size_t kDescriptorBytes = 16;  // plus 8 bytes per dimension
 constexpr size_t kAlignment = 64;        // every payload starts 64-byte aligned
 constexpr size_t kSequenceOffset = 24;
-constexpr int kMaxDevices = 4096;
 
 size_t AlignUp(size_t n) { return (n + kAlignment - 1) / kAlignment * kAlignment; }
 
@@ -249,20 +248,19 @@ class DeviceQueue {
   QueueStats stats_;
 };
 
-std::array<std::atomic<DeviceQueue*>, kMaxDevices> g_queues{};
+// Keyed by the ordinal XLA hands the handler: the device's global id (2048 and up on the
+// second process of a multi-process CPU run), so a map rather than a table.
+std::unordered_map<int, DeviceQueue*> g_queues;
 std::mutex g_queues_mu;
-std::atomic<bool> g_closed{false};
+bool g_closed = false;
 
 DeviceQueue* QueueFor(int device) {
-  if (device < 0 || device >= kMaxDevices) return nullptr;
-  DeviceQueue* q = g_queues[device].load(std::memory_order_acquire);
-  if (q != nullptr) return q;
+  if (device < 0) return nullptr;
   std::lock_guard<std::mutex> lock(g_queues_mu);
-  q = g_queues[device].load(std::memory_order_relaxed);
+  DeviceQueue*& q = g_queues[device];
   if (q == nullptr) {
     q = new DeviceQueue();  // lives as long as the process: device threads may hold it
-    if (g_closed.load()) q->SetClosed(true);
-    g_queues[device].store(q, std::memory_order_release);
+    if (g_closed) q->SetClosed(true);
   }
   return q;
 }
@@ -270,7 +268,7 @@ DeviceQueue* QueueFor(int device) {
 // Why a record could not be enqueued, or the empty string when it was.
 std::string Enqueue(int device, uint64_t consumer_id, const std::vector<ArrayView>& arrays) {
   DeviceQueue* queue = QueueFor(device);
-  if (queue == nullptr) return "hostcallback: device ordinal " + std::to_string(device) + " is out of range";
+  if (queue == nullptr) return "hostcallback: negative device ordinal " + std::to_string(device);
   Record record = EncodeRecord(consumer_id, static_cast<uint32_t>(device), arrays);
   if (record.data == nullptr) return "hostcallback: out of host memory for a tap record";
   if (!queue->Push(record)) {
@@ -324,7 +322,7 @@ using ReadOnlyBytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::
 
 DeviceQueue& CheckedQueue(int device) {
   DeviceQueue* queue = QueueFor(device);
-  if (queue == nullptr) throw nb::value_error("device ordinal out of range");
+  if (queue == nullptr) throw nb::value_error("device ordinal must not be negative");
   return *queue;
 }
 
@@ -375,18 +373,15 @@ nb::dict StatsOf(int device) {
 
 void SetAllClosed(bool closed) {
   std::lock_guard<std::mutex> lock(g_queues_mu);
-  g_closed.store(closed);
-  for (auto& slot : g_queues) {
-    if (DeviceQueue* q = slot.load()) q->SetClosed(closed);
-  }
+  g_closed = closed;
+  for (auto& [device, q] : g_queues) q->SetClosed(closed);
 }
 
 void SetMaxQueueBytes(uint64_t n) {
   if (n == 0) throw nb::value_error("max_queue_bytes must be positive");
   g_max_queue_bytes.store(n);
-  for (auto& slot : g_queues) {
-    if (DeviceQueue* q = slot.load()) q->Poke();
-  }
+  std::lock_guard<std::mutex> lock(g_queues_mu);
+  for (auto& [device, q] : g_queues) q->Poke();
 }
 
 }  // namespace
@@ -410,5 +405,4 @@ NB_MODULE(_hostcallback_outfeed, m) {
   m.def("set_max_queue_bytes", &SetMaxQueueBytes, nb::arg("max_queue_bytes"));
   m.def("max_queue_bytes", []() { return g_max_queue_bytes.load(); });
   m.attr("WIRE_VERSION") = kVersion;
-  m.attr("MAX_DEVICES") = kMaxDevices;
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 from jax._src import callback as jax_callback
 from jax._src import core, sharding_impls
@@ -35,11 +36,11 @@ def _devices_by_partition(axis_context) -> tuple:
 
 
 def emit(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
-    ordinals = tuple(d.local_hardware_id for d in _devices_by_partition(ctx.module_context.axis_context))
+    ordinals = tuple(d.id for d in _devices_by_partition(ctx.module_context.axis_context))
 
     def enqueue_on_host(partition, *arrays):
         # The partition id says which device of the computation is calling.
-        ordinal = ordinals[int(partition)] if ordinals else 0
+        ordinal = ordinals[int(partition)] if ordinals else jax.local_devices()[0].id
         if emit_device in (-1, ordinal):
             outfeed.enqueue(ordinal, consumer_id, [_leaf(a) for a in arrays])
         return ()

@@ -1,0 +1,41 @@
+"""One process of the multi-process test (started by test_multiprocess.py, not collected).
+
+Usage: python multiprocess_worker.py COORDINATOR_PORT PROCESS_ID COLLECTOR_PORT STEPS
+Joins a 2-process JAX cluster on localhost (2 CPU devices each), runs a jitted step over the
+global 4-device mesh that taps each device's shard, streams the taps to the collector, and waits
+for them with barrier_wait before it exits.
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+coordinator_port, process_id, collector_port, steps = map(int, sys.argv[1:5])
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{coordinator_port}",
+                           num_processes=2, process_id=process_id)
+
+import hostcallback as hcb  # noqa: E402
+from consumer import SocketSink, tap_to  # noqa: E402
+
+assert (jax.device_count(), jax.local_device_count()) == (4, 2)
+mesh = jax.make_mesh((4,), ("devices",))
+x = jax.make_array_from_callback((4,), NamedSharding(mesh, P("devices")),
+                                 lambda index: np.arange(4, dtype=np.float32)[index])
+sink = SocketSink("127.0.0.1", collector_port, run="multiprocess")
+
+
+def step_on_each_device(shard, step):
+    tap_to([sink], {"step": step, "shard": shard}, name="shard")
+    return shard + 1
+
+
+step_fn = jax.jit(jax.shard_map(step_on_each_device, mesh=mesh, in_specs=(P("devices"), P()),
+                                out_specs=P("devices")))
+for step in range(steps):
+    x = step_fn(x, jnp.int32(step))
+hcb.barrier_wait()
+sink.close()
+print("done", process_id, flush=True)

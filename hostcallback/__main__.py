@@ -11,11 +11,13 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="train a small model, tapping loss and gradient norm")
     demo.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    demo.add_argument("--out", default="hostcallback-demo",
+                      help="where the record stream and loss plot go (default hostcallback-demo/)")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from hostcallback import demo as demo_module
 
-        demo_module.run(steps=args.steps)
+        demo_module.run(steps=args.steps, out_dir=args.out)
     return 0
 
 

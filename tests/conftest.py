@@ -4,7 +4,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 
 # Must happen before jax is imported anywhere in the test process.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -26,26 +25,32 @@ def transport(request):
 
 
 class Collector:
-    """A tap function that remembers every call: (arg, transforms, device)."""
+    """One tap function whose calls the plugin's ``tap_records`` fixture keeps, with the device."""
 
-    def __init__(self):
-        self.calls = []
-        self._lock = threading.Lock()
+    def __init__(self, tap_records, name="collected"):
+        self._records, self._name = tap_records, name
+        self._tap = tap_records.tap(name)
+        self.__name__ = name
 
     def __call__(self, arg, transforms, device=None):
-        with self._lock:
-            self.calls.append((arg, transforms, device))
+        self._tap(arg, transforms, device)
+
+    @property
+    def calls(self):
+        return self._records.entries(self._name)
 
     @property
     def values(self):
-        return [arg for arg, _, _ in self.calls]
+        return self._records[self._name]
+
+    def clear(self):
+        self._records.clear()
 
 
 @pytest.fixture
-def collector():
-    collected = Collector()
-    yield collected
-    hostcallback.barrier_wait(timeout=60)
+def collector(tap_records):
+    """The tap_records fixture (hostcallback.testing) waits for every tap at teardown."""
+    return Collector(tap_records)
 
 
 def run_python(code: str, *, devices: int = 4, env: dict | None = None, timeout: float = 240):

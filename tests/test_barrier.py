@@ -110,7 +110,7 @@ def test_barrier_covers_single_and_multi_device_computations_whose_results_were_
     per_device = jax.pmap(lambda x: hcb.id_tap(collector, x))
     single = jax.jit(lambda x: hcb.id_tap(collector, x))
     for trial in range(15):
-        collector.calls.clear()
+        collector.clear()
         per_device(jnp.arange(4.0) + trial)  # results dropped on purpose
         single(jnp.float32(trial))
         hcb.barrier_wait()

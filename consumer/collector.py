@@ -2,8 +2,10 @@
 
 Each connection sends a stream (header, then records), as SocketSink does. The header's ``run``
 picks the output file ``OUT/<run>.hcbs``, shared by every process of that run; each record is
-tagged with its source (``host:pid/p<process>``) and appended as one complete msgpack record. A
-client that disconnects mid-record loses only that torn record.
+tagged with its source (``host:pid/p<process>``) and appended as one complete msgpack record.
+After writing, the collector acknowledges with the number of records received on the connection
+so far (8 bytes, little-endian), so the sender can forget them. A client that disconnects
+mid-record loses only that torn record, which its sender still holds and sends again.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import logging
 import os
 import re
+import struct
 import threading
 from typing import BinaryIO
 
@@ -20,6 +23,7 @@ from consumer.stream import StreamFormatError, StreamReader, StreamWriter, pack
 logger = logging.getLogger("hostcallback.collector")
 
 _SAFE_RUN = re.compile(r"[^A-Za-z0-9_.-]+")
+ACK = struct.Struct("<Q")  # records received on this connection so far
 
 
 class Collector:
@@ -29,6 +33,7 @@ class Collector:
         self.out_dir = os.fspath(out_dir)
         os.makedirs(self.out_dir, exist_ok=True)
         self._files: dict[str, BinaryIO] = {}
+        self._writers: set[asyncio.StreamWriter] = set()
         self.records_written = 0
         self.connections = 0
 
@@ -47,8 +52,10 @@ class Collector:
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self._writers.add(writer)
         stream = StreamReader()
         peer = writer.get_extra_info("peername")
+        received = 0
         try:
             while True:
                 chunk = await reader.read(1 << 16)
@@ -66,11 +73,15 @@ class Collector:
                     file.write(pack(record.to_map()))
                 file.flush()
                 self.records_written += len(records)
+                received += len(records)
+                writer.write(ACK.pack(received))
+                await writer.drain()
         except StreamFormatError as error:
             logger.warning("collector: dropping connection from %s: %s", peer, error)
-        except ConnectionError:
+        except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
+            self._writers.discard(writer)
             writer.close()
 
     def close(self) -> None:
@@ -88,6 +99,9 @@ class Collector:
             async with server:
                 await server.serve_forever()
         finally:
+            for writer in list(self._writers):  # drop the clients, so that their senders notice
+                writer.transport.abort()
+            await asyncio.sleep(0)
             self.close()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import select
 import socket
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any, Iterable
 import numpy as np
 
 import hostcallback
+from consumer.collector import ACK
 from consumer.stream import StreamWriter, TapRecord, pack, stream_header
 from hostcallback.receiver import receivers
 
@@ -261,11 +263,12 @@ def format_table(summary: dict[str, dict[str, float]]) -> str:
 
 
 class SocketSink(Sink):
-    """Streams records to a collector over TCP from a background thread.
+    """Streams records to a collector over TCP from a background thread, at least once.
 
-    The buffer holds at most ``max_buffered_bytes``; when it is full, ``emit`` waits (and
-    ``wait_seconds`` grows) rather than dropping. A lost connection is retried with backoff, and
-    the record being sent is sent again on the new connection: delivery is at least once.
+    Every record stays in the buffer until the collector acknowledges it; after a lost connection
+    the sink reconnects with backoff and sends every unacknowledged record again (the collector may
+    then see a record twice, never zero times). The buffer holds at most ``max_buffered_bytes``;
+    when it is full, ``emit`` waits (``waits`` and ``wait_seconds`` count it) rather than dropping.
     """
 
     def __init__(self, host: str, port: int, *, run: str = "run",
@@ -277,10 +280,10 @@ class SocketSink(Sink):
         self.waits = 0
         self.wait_seconds = 0.0
         self.reconnects = 0
-        self.sent = 0
-        self._pending: list[bytes] = []
+        self.acknowledged = 0
+        self._unacknowledged: list[bytes] = []  # oldest first; the first _sent went out already
+        self._sent = 0
         self._buffered = 0
-        self._in_flight = False
         self._closed = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._send_loop, daemon=True,
@@ -299,16 +302,16 @@ class SocketSink(Sink):
                 self._cond.wait_for(lambda: self._closed or not self._buffered
                                     or self._buffered + len(data) <= self.max_buffered_bytes)
                 self.wait_seconds += time.monotonic() - started
-            self._pending.append(data)
+            self._unacknowledged.append(data)
             self._buffered += len(data)
             self._cond.notify_all()
 
-    def _connect(self) -> socket.socket:
+    def _connect(self) -> socket.socket | None:
         delay = 0.05
         while True:
             with self._cond:
-                if self._closed and not self._pending:
-                    raise ConnectionAbortedError("closed")
+                if self._closed and not self._unacknowledged:
+                    return None
             try:
                 connection = socket.create_connection(self.address, timeout=self.connect_timeout)
                 connection.settimeout(None)
@@ -318,42 +321,65 @@ class SocketSink(Sink):
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
+    def _take_acknowledgements(self, connection, acks: bytearray, on_connection: list[int]) -> bool:
+        """Reads what acknowledgements have arrived; False when the collector hung up."""
+        while select.select([connection], [], [], 0)[0]:
+            chunk = connection.recv(4096)
+            if not chunk:
+                return False
+            acks.extend(chunk)
+        while len(acks) >= ACK.size:
+            (total,) = ACK.unpack_from(acks)
+            del acks[:ACK.size]
+            with self._cond:
+                newly = total - on_connection[0]
+                on_connection[0] = total
+                done = self._unacknowledged[:newly]
+                del self._unacknowledged[:newly]
+                self._sent -= newly
+                self._buffered -= sum(map(len, done))
+                self.acknowledged += newly
+                self._cond.notify_all()
+        return True
+
     def _send_loop(self) -> None:
-        connection = None
+        connection, acks, on_connection = None, bytearray(), [0]
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._pending or self._closed)
-                if not self._pending:
+                self._cond.wait_for(lambda: self._sent < len(self._unacknowledged)
+                                    or self._closed or self._unacknowledged, timeout=0.05)
+                if self._closed and not self._unacknowledged:
                     break
-                data = self._pending[0]
-                self._in_flight = True
+                data = (self._unacknowledged[self._sent]
+                        if self._sent < len(self._unacknowledged) else None)
             try:
                 if connection is None:
                     connection = self._connect()
-                connection.sendall(data)
-            except ConnectionAbortedError:
-                break
+                    if connection is None:
+                        break
+                    acks, on_connection = bytearray(), [0]
+                if data is not None:
+                    connection.sendall(data)
+                    with self._cond:
+                        self._sent += 1
+                if not self._take_acknowledgements(connection, acks, on_connection):
+                    raise ConnectionResetError("the collector closed the connection")
             except OSError:
                 if connection is not None:
                     connection.close()
                 connection = None
+                with self._cond:
+                    self._sent = 0  # send everything not acknowledged again
                 self.reconnects += 1
-                continue
-            with self._cond:
-                self._pending.pop(0)
-                self._buffered -= len(data)
-                self._in_flight = False
-                self.sent += 1
-                self._cond.notify_all()
         if connection is not None:
             connection.close()
 
     def flush(self, timeout: float | None = 30.0) -> None:
-        """Waits until every emitted record was handed to the operating system."""
+        """Waits until the collector acknowledged every emitted record."""
         with self._cond:
-            if not self._cond.wait_for(lambda: not self._pending, timeout):
-                raise TimeoutError(f"SocketSink to {self.address}: {len(self._pending)} records "
-                                   f"not sent after {timeout} s")
+            if not self._cond.wait_for(lambda: not self._unacknowledged, timeout):
+                raise TimeoutError(f"SocketSink to {self.address}: {len(self._unacknowledged)} "
+                                   f"records not acknowledged after {timeout} s")
 
     def close(self) -> None:
         try:

@@ -254,3 +254,48 @@ def test_cli_collect_serves_until_stopped(tmp_path):
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_socket_sink_reconnects_when_the_collector_restarts(tmp_path):
+    first = CollectorThread(tmp_path / "first").start()
+    port = first.port
+    sink = SocketSink("127.0.0.1", port, run="restart")
+    sink.emit(TapRecord(name="before", value=1))
+    sink.flush()
+    deadline = time.monotonic() + 10
+    while first.collector.records_written < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    first.stop()  # the connection drops
+    for i in range(5):
+        sink.emit(TapRecord(name="after", value=i))
+    second = CollectorThread(tmp_path / "second", port=port).start()
+    try:
+        sink.close()
+        deadline = time.monotonic() + 10
+        while second.collector.records_written < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        after = [int(r.value) for r in read_records(second.collector.path_for("restart"))
+                 if r.name == "after"]
+        before = [r.name for r in read_records(first.collector.path_for("restart"))]
+    finally:
+        second.stop()
+    assert before == ["before"]
+    assert after == list(range(5))
+
+
+def test_cli_tail_follows_a_growing_file(tmp_path):
+    path = tmp_path / "growing.hcbs"
+    sink = FileSink(path)
+    follower = subprocess.Popen([sys.executable, "-m", "consumer", "tail", "--follow", str(path)],
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        for i in range(3):
+            sink.emit(TapRecord(name="grow", step=i, value=np.int32(i)))
+            sink.flush()
+        lines = [follower.stdout.readline().strip() for _ in range(6)]
+    finally:
+        follower.terminate()
+        follower.wait(10)
+        sink.close()
+    assert lines == ["name: grow step: 0", "0", "name: grow step: 1", "1",
+                     "name: grow step: 2", "2"]

@@ -163,11 +163,11 @@ class StreamReader:
                 if not isinstance(item, dict) or "name" not in item:
                     raise StreamFormatError(f"unexpected item in the stream: {type(item).__name__}")
                 records.append(TapRecord.from_map(item))
-        except (msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError,
-                msgpack.exceptions.StackError, ValueError, TypeError) as error:
-            if isinstance(error, StreamFormatError):
-                raise
-            raise StreamFormatError(f"corrupt record stream: {error}") from error
+        except StreamFormatError:
+            raise
+        except Exception as error:  # msgpack's errors, or a record whose fields do not decode
+            raise StreamFormatError(
+                f"corrupt record stream: {type(error).__name__}: {error}") from error
         return records
 
 

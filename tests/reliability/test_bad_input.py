@@ -1,0 +1,40 @@
+"""Odd inputs that must still work, or fail clearly; corrupt streams never crash a reader."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+import hostcallback as hcb
+from consumer import StreamFormatError, StreamReader, TapRecord
+from consumer import stream
+
+
+def test_a_tap_of_a_donated_buffer_sees_the_value_before_donation(transport, collector):
+    double = jax.jit(lambda x: hcb.id_tap(collector, x) * 2, donate_argnums=0)
+    out = double(jnp.arange(4.0))
+    hcb.barrier_wait()
+    np.testing.assert_array_equal(collector.values[0], [0.0, 1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(out, [0.0, 2.0, 4.0, 6.0])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=1024))
+def test_random_bytes_never_crash_the_stream_reader(data):
+    reader = StreamReader(max_buffer_size=1 << 16)
+    try:
+        reader.feed(stream.pack(stream.stream_header()) + data)
+    except StreamFormatError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 255), st.data())
+def test_mutated_streams_give_records_or_a_clear_error(byte, data):
+    good = bytearray(stream.dumps([TapRecord(name="x", value=np.arange(6).reshape(2, 3)),
+                                   TapRecord(name="y", value={"a": (1, 2.5)})]))
+    good[data.draw(st.integers(0, len(good) - 1))] = byte
+    try:
+        StreamReader(max_buffer_size=1 << 16).feed(bytes(good))
+    except StreamFormatError:
+        pass

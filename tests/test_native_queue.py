@@ -77,3 +77,20 @@ def test_a_bad_budget_in_the_environment_is_a_clear_error():
                         devices=1)
     assert result.returncode != 0
     assert "HOSTCALLBACK_MAX_QUEUE_BYTES='lots' is not an integer" in result.stderr
+
+
+def test_a_slow_consumer_of_taps_larger_than_a_small_budget_gets_every_one(transport, collector):
+    def slow(arg, transforms):
+        time.sleep(0.02)
+        collector(float(arg[0]), transforms)
+
+    before = device_stats()
+    with config.override(max_queue_bytes=1 << 20):  # 1 MiB budget, 4 MiB taps
+        loop = jax.jit(lambda x: lax.fori_loop(
+            0, 8, lambda i, c: (hcb.id_tap(slow, c + i), c)[1], x))
+        loop(jnp.zeros(1 << 20, jnp.float32))
+        hcb.barrier_wait()
+    after = device_stats()
+    assert collector.values == [float(i) for i in range(8)]
+    assert after["waits"] > before["waits"]
+    assert after["peak_bytes_queued"] <= (4 << 20) + 4096  # one oversize record at a time

@@ -3,7 +3,8 @@
 The public API, and nothing else. See docs/architecture.md for how a tap travels.
 """
 
-from hostcallback.api import barrier_wait, id_print, id_tap, queue_stats, stop_outfeed_receiver
+from hostcallback.api import (barrier_wait, call, id_print, id_tap, queue_stats,
+                              stop_outfeed_receiver)
 from hostcallback import config
 from hostcallback.config import configure
 from hostcallback.receiver import (CallbackException, ReceiverStoppedError, RecordContext,
@@ -16,6 +17,7 @@ __all__ = [
     "ReceiverStoppedError",
     "RecordContext",
     "barrier_wait",
+    "call",
     "config",
     "configure",
     "current_record",

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
+from jax._src import core
 
 from hostcallback import config, primitive, printing, transport, wire
 from hostcallback.receiver import receivers
@@ -41,14 +42,14 @@ def _leaf_to_array(path, leaf):
     return array
 
 
-def _tap(consumer: Consumer, leaves, device_index: int, ordered: bool | None):
+def _tap(consumer: Consumer, leaves, device_index: int, ordered: bool | None, **call_params):
     if not isinstance(device_index, int) or device_index < 0:
         raise ValueError(f"device_index must be a non-negative int, got {device_index!r}")
     receivers.ensure_started()
     return primitive.bind(
         leaves, consumer_id=registry.register(consumer), transport=transport.default_transport(),
         ordered=config.settings.ordered if ordered is None else bool(ordered),
-        device_index=device_index)
+        device_index=device_index, **call_params)
 
 
 def _flatten(arg):
@@ -146,3 +147,59 @@ def queue_stats() -> dict[Any, dict[str, Any]]:
     """Per local device: records and bytes enqueued and delivered, bytes queued now and at peak,
     how often and how long the device waited for room, and records the receiver handled."""
     return receivers.queue_stats()
+
+
+def _result_spec(result_shape) -> tuple[tree_util.PyTreeDef, tuple]:
+    """The structure and (shape, dtype) of each leaf of ``result_shape``, checked at trace time."""
+    if result_shape is None:
+        result_shape = ()
+    paths_and_leaves, treedef = tree_util.tree_flatten_with_path(result_shape)
+    avals = []
+    for path, leaf in paths_and_leaves:
+        where = f"result_shape{tree_util.keystr(path)}"
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            shape, dtype = leaf.shape, leaf.dtype
+        elif isinstance(leaf, (bool, int, float, complex, np.generic)):
+            shape, dtype = (), np.asarray(leaf).dtype
+        else:
+            raise ValueError(
+                f"{where} is a {type(leaf).__name__}; result_shape must be a pytree of objects "
+                "with .shape and .dtype (e.g. jax.ShapeDtypeStruct) or of numeric scalars")
+        try:
+            shape = tuple(int(d) for d in shape)
+            dtype = jax.dtypes.canonicalize_dtype(dtype)
+            wire.dtype_code(dtype)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where}: {error}") from None
+        if any(d < 0 for d in shape):
+            raise ValueError(f"{where} has a negative dimension in {shape}")
+        avals.append((shape, np.dtype(dtype)))
+    return treedef, tuple(avals)
+
+
+def call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any = None,
+         call_with_device: bool = False, device_index: int = 0, timeout: float | None = None,
+         ordered: bool | None = None) -> Any:
+    """Calls ``callback_func(arg)`` on the host and returns its result into the computation.
+
+    ``result_shape`` is a pytree of ``jax.ShapeDtypeStruct`` (or anything with ``.shape`` and
+    ``.dtype``) or numeric scalars describing what the function returns; ``None`` or ``()`` means
+    no result (the device still waits for the function to finish). The device sends ``arg``
+    through the same outfeed queue as taps and waits for the answer. If the function raises,
+    returns the wrong structure, shape or dtype, or takes longer than ``timeout`` seconds, the
+    computation fails with an error that names it; ``barrier_wait`` reports it too.
+    ``call_with_device=True`` calls ``callback_func(arg, device=d)``.
+    """
+    if not callable(callback_func):
+        raise TypeError(f"call() needs a callable callback_func, got {type(callback_func).__name__}")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    leaves, treedef = _flatten(arg)
+    result_treedef, result_avals = _result_spec(result_shape)
+    consumer = Consumer(func=callback_func, treedef=treedef, with_device=call_with_device,
+                        name=getattr(callback_func, "__name__", repr(callback_func)),
+                        result_treedef=result_treedef, result_avals=result_avals)
+    outs = _tap(consumer, leaves, device_index, ordered,
+                result_avals=tuple(core.ShapedArray(shape, dtype) for shape, dtype in result_avals),
+                timeout_s=float(timeout or 0.0))
+    return None if result_shape is None else tree_util.tree_unflatten(result_treedef, outs)

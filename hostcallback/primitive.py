@@ -39,10 +39,12 @@ NO_LOCAL_DEVICE = -2
 
 
 def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
-         device_index: int = 0):
+         device_index: int = 0, result_avals: tuple | None = None, timeout_s: float = 0.0):
+    """A tap (result_avals None: returns the leaves) or a call (returns arrays of result_avals)."""
     return outside_call_p.bind(*leaves, consumer_id=consumer_id, transport=transport,
                                ordered=ordered, device_index=device_index,
-                               emit_device=ALL_DEVICES)
+                               emit_device=ALL_DEVICES, result_avals=result_avals,
+                               timeout_s=timeout_s)
 
 
 # ---- effects ---------------------------------------------------------------------------------
@@ -71,8 +73,9 @@ def _impl(*args, **params):
 outside_call_p.def_impl(_impl)
 
 
-def _abstract_eval(*avals, ordered, **params):
-    return avals, ({ordered_tap_effect} if ordered else core.no_effects)
+def _abstract_eval(*avals, ordered, result_avals, **params):
+    outs = avals if result_avals is None else result_avals
+    return outs, ({ordered_tap_effect} if ordered else core.no_effects)
 
 
 outside_call_p.def_effectful_abstract_eval(_abstract_eval)
@@ -91,6 +94,10 @@ pe.dce_rules[outside_call_p] = _dce_rule
 
 def _batching_rule(args, dims, *, consumer_id, **params):
     """One tap of the whole batch; the consumer learns which axis of each leaf is the batch."""
+    if params["result_avals"] is not None:
+        raise NotImplementedError(
+            f"vmap of hostcallback.call ({registry.get(consumer_id).name}) is not supported yet: "
+            "call the host once per element with lax.map, or batch inside the callback")
     batch_dims = tuple(dims)  # None marks a leaf that is not batched
     batched = registry.get(consumer_id).with_transform(("batch", {"batch_dims": batch_dims}))
     outs = outside_call_p.bind(*args, consumer_id=registry.register(batched), **params)
@@ -102,6 +109,12 @@ batching.primitive_batchers[outside_call_p] = _batching_rule
 
 def _jvp_rule(primals, tangents, **params):
     """The tap fires once, on primal values; tangents pass through untouched."""
+    if params["result_avals"] is not None:
+        raise TypeError(
+            f"hostcallback.call ({registry.get(params['consumer_id']).name}) cannot be "
+            "differentiated: JAX cannot see inside host code. Wrap it in jax.custom_vjp and "
+            "compute the backward pass yourself (it may be another call); see "
+            "docs/transformations.md")
     return outside_call_p.bind(*primals, **params), tangents
 
 
@@ -118,13 +131,17 @@ def _local_ordinal(device) -> int:
     return device.id
 
 
-def _manual_sharding(num_results: int):
-    """The annotation that says: run this op on every device, on its own data (shard_map)."""
+def _manual_sharding(result_ranks: list[int]):
+    """The annotation that says: run this op on every device, on its own data (shard_map).
+    Shardy wants one entry per result, with one dimension entry per dimension."""
     from jax._src.lib import xla_client as xc
 
     if jax_config.use_shardy_partitioner.value:
-        arrays = (sharding_impls.SdyArray(mesh_shape=(), dim_shardings=(), logical_device_ids=()),)
-        return sharding_impls.SdyArrayList(arrays * max(1, num_results))
+        return sharding_impls.SdyArrayList(tuple(
+            sharding_impls.SdyArray(
+                mesh_shape=(), logical_device_ids=(),
+                dim_shardings=(sharding_impls.SdyDim(axes=(), is_open=False),) * rank)
+            for rank in result_ranks))
     op_sharding = xc.OpSharding()
     op_sharding.type = xc.OpSharding.Type.MANUAL
     return op_sharding
@@ -166,9 +183,11 @@ def _token_chain(ctx) -> dict:
     return _token_chains.setdefault(ctx.module_context.module, {})
 
 
-def _lowering(ctx, *args, consumer_id, transport, ordered, device_index, emit_device, platform):
+def _lowering(ctx, *args, consumer_id, transport, ordered, device_index, emit_device,
+              result_avals, timeout_s, platform):
     from hostcallback.transport import emitter_for
 
+    is_call = result_avals is not None
     axis_context = ctx.module_context.axis_context
     op_sharding = None
     if isinstance(axis_context, sharding_impls.SPMDAxisContext):
@@ -176,11 +195,17 @@ def _lowering(ctx, *args, consumer_id, transport, ordered, device_index, emit_de
             raise NotImplementedError(
                 "hostcallback taps inside shard_map need every mesh axis to be manual; with "
                 "partially automatic axes, tap outside the shard_map or make all axes manual")
-        op_sharding = _manual_sharding(1)
+        op_sharding = _manual_sharding([0] + [a.ndim for a in result_avals or ()])  # token first
     elif (isinstance(axis_context, sharding_impls.ShardingContext)
           and axis_context.num_devices > 1):
+        if is_call:
+            raise NotImplementedError(
+                "hostcallback.call inside a jit that is sharded over several devices is not "
+                "supported yet: put the call inside shard_map (each device calls with its "
+                "shard) or in a jit on one device")
         return _lower_in_manual_region(ctx, args, consumer_id=consumer_id, transport=transport,
-                                       ordered=ordered, device_index=device_index)
+                                       ordered=ordered, device_index=device_index,
+                                       result_avals=None, timeout_s=timeout_s)
     emit = emitter_for(transport, platform)
     if ordered:
         # JAX threads this token through loops, branches and calls: strict program order.
@@ -189,13 +214,19 @@ def _lowering(ctx, *args, consumer_id, transport, ordered, device_index, emit_de
         # Our own chain: program order among the taps of one block (straight-line code).
         block = ir.InsertionPoint.current.block
         token = _token_chain(ctx).get(block) or mlir.hlo.create_token()
-    token = emit(ctx, list(args), consumer_id=consumer_id, emit_device=emit_device,
-                 token=token, op_sharding=op_sharding)
+    if is_call:
+        token, outs = emit.call(ctx, list(args), consumer_id=consumer_id, token=token,
+                                op_sharding=op_sharding, result_avals=result_avals,
+                                timeout_s=timeout_s)
+    else:
+        token = emit.tap(ctx, list(args), consumer_id=consumer_id, emit_device=emit_device,
+                         token=token, op_sharding=op_sharding)
+        outs = list(args)
     if ordered:
         ctx.set_tokens_out(mlir.TokenSet({ordered_tap_effect: token}))
     else:
         _token_chain(ctx)[block] = token
-    return list(args)
+    return outs
 
 
 for _platform in ("cpu", "cuda", "rocm", "tpu"):

@@ -28,7 +28,7 @@ import jax
 import numpy as np
 from jax._src import core
 
-from hostcallback import config, wire
+from hostcallback import config, results, wire
 from hostcallback._native import outfeed
 from hostcallback.registry import BARRIER_MARKER_ID, ConsumerRegistry, registry
 
@@ -184,6 +184,7 @@ class ReceiverPool:
 
     def _deliver(self, ordinal: int, device: Any, raw: np.ndarray) -> None:
         consumer_name = "<undecodable record>"
+        record = None
         try:
             record = wire.decode_record(raw)
             if record.consumer_id == BARRIER_MARKER_ID:
@@ -195,10 +196,17 @@ class ReceiverPool:
             consumer_name = consumer.name or getattr(consumer.func, "__name__", repr(consumer.func))
             _current.record = RecordContext(device, record.sequence, record.consumer_id)
             try:
-                consumer.call(list(record.arrays), device)
+                result = consumer.call(list(record.arrays), device)
             finally:
                 _current.record = None
+            if record.expects_response:
+                outfeed.respond(ordinal, record.sequence, results.result_leaves(consumer, result))
         except Exception as error:  # a consumer's error must never stop the receiver
+            if record is not None and record.expects_response:
+                # The device is waiting: fail its call with the reason, keep the process alive.
+                outfeed.respond_error(ordinal, record.sequence,
+                                      f"hostcallback call consumer {consumer_name} failed: "
+                                      f"{type(error).__name__}: {error}")
             logger.error("hostcallback: tap consumer %s raised on %s", consumer_name, device,
                          exc_info=error)
             failure = _Failure(consumer_name, device, error)

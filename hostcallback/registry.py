@@ -30,13 +30,22 @@ class Consumer:
     with_device: bool = False
     metadata: tuple[tuple[str, Any], ...] = ()  # sorted (key, value) pairs, e.g. id_print's kwargs
     name: str = ""
+    # A `call` consumer: func(arg[, device=d]) returns a pytree of this structure and these avals.
+    result_treedef: tree_util.PyTreeDef | None = None
+    result_avals: tuple = ()
+
+    @property
+    def is_call(self) -> bool:
+        return self.result_treedef is not None
 
     def call(self, leaves, device) -> Any:
-        """Rebuilds the tapped pytree and calls the consumer the way the legacy API did."""
+        """Rebuilds the tapped pytree and calls the consumer the way the legacy API did:
+        taps as func(arg, transforms), calls as func(arg), each with device=d when asked."""
         arg = tree_util.tree_unflatten(self.treedef, leaves)
+        args = (arg,) if self.is_call else (arg, self.transforms)
         if self.with_device:
-            return self.func(arg, self.transforms, device=device)
-        return self.func(arg, self.transforms)
+            return self.func(*args, device=device)
+        return self.func(*args)
 
     def with_transform(self, transform: Transform) -> "Consumer":
         return dataclasses.replace(self, transforms=self.transforms + (transform,))
@@ -66,7 +75,8 @@ class ConsumerRegistry:
 
     def register(self, consumer: Consumer) -> int:
         key = (_freeze(consumer.func), consumer.treedef, _freeze(consumer.transforms),
-               consumer.with_device, _freeze(consumer.metadata), consumer.name)
+               consumer.with_device, _freeze(consumer.metadata), consumer.name,
+               consumer.result_treedef, consumer.result_avals)
         with self._lock:
             found = self._by_key.get(key)
             if found is not None:

@@ -20,6 +20,7 @@ ALIGNMENT = 64
 FIXED_HEADER = struct.Struct("<IHHQIIQIIQ")  # magic version flags consumer device count seq hdr rsv size
 DESCRIPTOR = struct.Struct("<BBHIQ")  # dtype reserved ndim reserved byte_size, then int64 dims
 MAX_NDIM = 64
+FLAG_EXPECTS_RESPONSE = 1  # a `call` record: the device waits for the host's answer
 
 # Codes are XLA's PrimitiveType numbers, which the FFI hands the handler as the element type.
 DTYPE_BY_CODE: dict[int, np.dtype] = {
@@ -74,6 +75,11 @@ class Record:
     device: int
     sequence: int
     arrays: tuple[np.ndarray, ...]
+    flags: int = 0
+
+    @property
+    def expects_response(self) -> bool:
+        return bool(self.flags & FLAG_EXPECTS_RESPONSE)
 
 
 def _align(n: int) -> int:
@@ -86,7 +92,7 @@ def decode_record(buffer) -> Record:
     size = data.size
     if size < FIXED_HEADER.size:
         raise WireFormatError(f"record of {size} bytes is shorter than the {FIXED_HEADER.size}-byte header")
-    (magic, version, _flags, consumer_id, device, count, sequence, header_size, _reserved,
+    (magic, version, flags, consumer_id, device, count, sequence, header_size, _reserved,
      record_size) = FIXED_HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         raise WireFormatError(f"bad magic {magic:#x}; expected {MAGIC:#x} (b'HCB1')")
@@ -126,10 +132,10 @@ def decode_record(buffer) -> Record:
         view.flags.writeable = False
         arrays.append(view)
         offset += byte_size
-    return Record(consumer_id, device, sequence, tuple(arrays))
+    return Record(consumer_id, device, sequence, tuple(arrays), flags)
 
 
-def encode_record(consumer_id: int, device: int, sequence: int, arrays) -> bytes:
+def encode_record(consumer_id: int, device: int, sequence: int, arrays, flags: int = 0) -> bytes:
     """The Python twin of the C++ encoder: for tests, fuzzing and readers in other tools."""
     arrays = [np.asarray(a, order="C") for a in arrays]  # 0-d stays 0-d
     header_size = FIXED_HEADER.size + sum(DESCRIPTOR.size + 8 * a.ndim for a in arrays)
@@ -139,7 +145,7 @@ def encode_record(consumer_id: int, device: int, sequence: int, arrays) -> bytes
         size = _align(size) + a.nbytes
     size = _align(max(size, ALIGNMENT))
     out = bytearray(size)
-    FIXED_HEADER.pack_into(out, 0, MAGIC, VERSION, 0, consumer_id, device, len(arrays), sequence,
+    FIXED_HEADER.pack_into(out, 0, MAGIC, VERSION, flags, consumer_id, device, len(arrays), sequence,
                            header_size, 0, size)
     at, offset = FIXED_HEADER.size, header_size
     for a in arrays:

@@ -18,7 +18,10 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <map>
+#include <set>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "nanobind/nanobind.h"
@@ -111,7 +114,10 @@ void ReleaseRecord(uint8_t* data) {
   g_pool.Put(data, size);
 }
 
-Record EncodeRecord(uint64_t consumer_id, uint32_t device, const std::vector<ArrayView>& arrays) {
+constexpr uint16_t kFlagExpectsResponse = 1;  // a `call`: the device waits for the host's answer
+
+Record EncodeRecord(uint64_t consumer_id, uint32_t device, const std::vector<ArrayView>& arrays,
+                    uint16_t flags = 0) {
   size_t header = kFixedHeaderBytes;
   for (const ArrayView& a : arrays) header += kDescriptorBytes + 8 * a.dims.size();
   header = AlignUp(header);
@@ -126,7 +132,7 @@ Record EncodeRecord(uint64_t consumer_id, uint32_t device, const std::vector<Arr
   std::memset(r.data, 0, header);
   Put<uint32_t>(r.data + 0, kMagic);
   Put<uint16_t>(r.data + 4, kVersion);
-  Put<uint16_t>(r.data + 6, 0);  // flags, reserved
+  Put<uint16_t>(r.data + 6, flags);
   Put<uint64_t>(r.data + 8, consumer_id);
   Put<uint32_t>(r.data + 16, device);
   Put<uint32_t>(r.data + 20, static_cast<uint32_t>(arrays.size()));
@@ -166,8 +172,8 @@ struct QueueStats {
 // queue and then goes in alone, so nothing is ever refused for its size or dropped.
 class DeviceQueue {
  public:
-  // Returns false only when the queue was closed (the receiver was stopped).
-  bool Push(Record record) {
+  // Returns the record's sequence number, or -1 when the queue was closed (receiver stopped).
+  int64_t Push(Record record) {
     std::unique_lock<std::mutex> lock(mu_);
     if (!closed_ && !Fits(record.size)) {
       auto start = std::chrono::steady_clock::now();
@@ -177,8 +183,9 @@ class DeviceQueue {
                             std::chrono::steady_clock::now() - start)
                             .count();
     }
-    if (closed_) return false;
-    Put<uint64_t>(record.data + kSequenceOffset, next_sequence_++);
+    if (closed_) return -1;
+    const uint64_t sequence = next_sequence_++;
+    Put<uint64_t>(record.data + kSequenceOffset, sequence);
     records_.push_back(record);
     stats_.records_enqueued += 1;
     stats_.bytes_enqueued += record.size;
@@ -186,7 +193,7 @@ class DeviceQueue {
     stats_.peak_bytes_queued = std::max(stats_.peak_bytes_queued, stats_.bytes_queued);
     lock.unlock();
     not_empty_.notify_one();
-    return true;
+    return static_cast<int64_t>(sequence);
   }
 
   // Waits up to timeout_s for a record, then takes records up to the given limits (at least
@@ -265,21 +272,120 @@ DeviceQueue* QueueFor(int device) {
   return q;
 }
 
-// Why a record could not be enqueued, or the empty string when it was.
-std::string Enqueue(int device, uint64_t consumer_id, const std::vector<ArrayView>& arrays) {
+constexpr char kStoppedMessage[] =
+    "hostcallback: the outfeed receiver was stopped (stop_outfeed_receiver()); "
+    "taps cannot be delivered in this process any more";
+
+// Why a record could not be enqueued, or the empty string when it was (then *sequence is set).
+std::string Enqueue(int device, uint64_t consumer_id, const std::vector<ArrayView>& arrays,
+                    uint16_t flags = 0, uint64_t* sequence = nullptr) {
   DeviceQueue* queue = QueueFor(device);
   if (queue == nullptr) return "hostcallback: negative device ordinal " + std::to_string(device);
-  Record record = EncodeRecord(consumer_id, static_cast<uint32_t>(device), arrays);
+  Record record = EncodeRecord(consumer_id, static_cast<uint32_t>(device), arrays, flags);
   if (record.data == nullptr) return "hostcallback: out of host memory for a tap record";
-  if (!queue->Push(record)) {
+  const int64_t pushed = queue->Push(record);
+  if (sequence != nullptr && pushed >= 0) *sequence = static_cast<uint64_t>(pushed);
+  if (pushed < 0) {
     ReleaseRecord(record.data);
-    return "hostcallback: the outfeed receiver was stopped (stop_outfeed_receiver()); "
-           "taps cannot be delivered in this process any more";
+    return kStoppedMessage;
   }
   return "";
 }
 
-// ---- the FFI handler ------------------------------------------------------------------------
+// ---- responses to `call` records ------------------------------------------------------------
+
+struct Response {
+  std::string error;  // empty: success
+  std::vector<std::vector<uint8_t>> results;
+};
+
+// Where the receiver leaves the host's answer to a `call` record, keyed by (device, sequence),
+// and where the device thread that sent the record waits for it.
+class Responses {
+ public:
+  void Set(int device, uint64_t sequence, Response response) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ready_[{device, sequence}] = std::move(response);
+    }
+    cv_.notify_all();
+  }
+
+  // Why no answer came (stopped, timed out), or the empty string with *out set.
+  std::string Wait(int device, uint64_t sequence, double timeout_s, Response* out) {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto key = std::make_pair(device, sequence);
+    auto answered = [&] { return closed_ || ready_.count(key) > 0; };
+    if (timeout_s > 0) {
+      if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), answered)) {
+        abandoned_.insert(key);
+        return "hostcallback: the host did not answer this call within its timeout of " +
+               std::to_string(timeout_s) + " s";
+      }
+    } else {
+      cv_.wait(lock, answered);
+    }
+    auto found = ready_.find(key);
+    if (found == ready_.end()) return kStoppedMessage;
+    *out = std::move(found->second);
+    ready_.erase(found);
+    return "";
+  }
+
+  // An answer nobody waits for any more (its call timed out) is dropped when it comes.
+  bool Abandoned(int device, uint64_t sequence) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return abandoned_.erase({device, sequence}) > 0;
+  }
+
+  void SetClosed(bool closed) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_ = closed;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<std::pair<int, uint64_t>, Response> ready_;
+  std::set<std::pair<int, uint64_t>> abandoned_;
+  bool closed_ = false;
+};
+
+Responses g_responses;
+
+// Sends a call record and waits for the answer; fills *response or says why it could not.
+std::string CallHost(int device, uint64_t consumer_id, const std::vector<ArrayView>& arrays,
+                     double timeout_s, Response* response) {
+  uint64_t sequence = 0;
+  std::string problem = Enqueue(device, consumer_id, arrays, kFlagExpectsResponse, &sequence);
+  if (!problem.empty()) return problem;
+  return g_responses.Wait(device, sequence, timeout_s, response);
+}
+
+// ---- the FFI handlers ------------------------------------------------------------------------
+
+// The arrays to send: every operand but the ordering token and the first skip_args others.
+ffi::Error CollectArrays(ffi::RemainingArgs& args, int64_t skip_args, std::vector<ArrayView>* out) {
+  out->reserve(args.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    ffi::ErrorOr<ffi::AnyBuffer> arg = args.get<ffi::AnyBuffer>(i);
+    if (!arg.has_value()) return arg.error();
+    ffi::AnyBuffer buffer = arg.value();
+    if (buffer.element_type() == ffi::DataType::TOKEN) continue;
+    if (skip_args > 0) {
+      --skip_args;
+      continue;
+    }
+    auto dims = buffer.dimensions();
+    out->push_back(ArrayView{static_cast<uint8_t>(buffer.element_type()),
+                             std::vector<int64_t>(dims.begin(), dims.end()),
+                             buffer.untyped_data(), buffer.size_bytes()});
+  }
+  return ffi::Error::Success();
+}
 
 // emit_device >= 0: only that device enqueues (a whole-value tap lowered on every device).
 ffi::Error TapImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_device,
@@ -287,23 +393,47 @@ ffi::Error TapImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_de
   (void)rets;  // only the ordering token, which carries no data
   if (emit_device != -1 && emit_device != device_ordinal) return ffi::Error::Success();
   std::vector<ArrayView> arrays;
-  arrays.reserve(args.size());
-  for (size_t i = 0; i < args.size(); ++i) {
-    ffi::ErrorOr<ffi::AnyBuffer> arg = args.get<ffi::AnyBuffer>(i);
-    if (!arg.has_value()) return arg.error();
-    ffi::AnyBuffer buffer = arg.value();
-    if (buffer.element_type() == ffi::DataType::TOKEN) continue;
-    auto dims = buffer.dimensions();
-    arrays.push_back(ArrayView{static_cast<uint8_t>(buffer.element_type()),
-                               std::vector<int64_t>(dims.begin(), dims.end()),
-                               buffer.untyped_data(), buffer.size_bytes()});
-  }
+  if (ffi::Error error = CollectArrays(args, 0, &arrays); error.failure()) return error;
   std::string problem = Enqueue(device_ordinal, consumer_id, arrays);
   if (!problem.empty()) return ffi::Error::Internal(problem);
   return ffi::Error::Success();
 }
 
 }  // namespace
+
+// A `call`: send the arrays, wait for the host's results, copy them into the outputs.
+ffi::Error CallImpl(int32_t device_ordinal, uint64_t consumer_id, double timeout_s,
+                    ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  std::vector<ArrayView> arrays;
+  if (ffi::Error error = CollectArrays(args, 0, &arrays); error.failure()) return error;
+  Response response;
+  std::string problem = CallHost(device_ordinal, consumer_id, arrays, timeout_s, &response);
+  if (problem.empty()) problem = response.error;
+  if (!problem.empty()) return ffi::Error::Internal(problem);
+  size_t next = 0;
+  for (size_t i = 0; i < rets.size(); ++i) {
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
+    if (!ret.has_value()) return ret.error();
+    ffi::AnyBuffer out = *ret.value();
+    if (out.element_type() == ffi::DataType::TOKEN) continue;
+    if (next >= response.results.size() || response.results[next].size() != out.size_bytes()) {
+      return ffi::Error::Internal("hostcallback: the host's answer does not match the call's "
+                                  "result shapes");
+    }
+    if (out.size_bytes() > 0) std::memcpy(out.untyped_data(), response.results[next].data(),
+                                          out.size_bytes());
+    ++next;
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackCall, CallImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<uint64_t>("consumer_id")
+                                  .Attr<double>("timeout_s")
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackTap, TapImpl,
                               ffi::Ffi::Bind()
@@ -343,18 +473,57 @@ nb::list Drain(int device, size_t max_records, size_t max_bytes, double timeout_
 }
 
 // The callback transport's way in: the same record, built from host arrays.
-void EnqueueFromHost(int device, uint64_t consumer_id,
-                     const std::vector<std::tuple<int, std::vector<int64_t>, ReadOnlyBytes>>& leaves) {
+using HostLeaves = std::vector<std::tuple<int, std::vector<int64_t>, ReadOnlyBytes>>;
+
+std::vector<ArrayView> ViewsOf(const HostLeaves& leaves) {
   std::vector<ArrayView> arrays;
   for (const auto& [dtype, dims, bytes] : leaves) {
     arrays.push_back(ArrayView{static_cast<uint8_t>(dtype), dims, bytes.data(), bytes.size()});
   }
+  return arrays;
+}
+
+void EnqueueFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves) {
+  std::vector<ArrayView> arrays = ViewsOf(leaves);
   std::string problem;
   {
     nb::gil_scoped_release release;
     problem = Enqueue(device, consumer_id, arrays);
   }
   if (!problem.empty()) throw std::runtime_error(problem);
+}
+
+// The callback transport's `call`: the same record and wait, from the device's Python callback.
+nb::list CallFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves,
+                      double timeout_s) {
+  std::vector<ArrayView> arrays = ViewsOf(leaves);
+  Response response;
+  std::string problem;
+  {
+    nb::gil_scoped_release release;
+    problem = CallHost(device, consumer_id, arrays, timeout_s, &response);
+  }
+  if (problem.empty()) problem = response.error;
+  if (!problem.empty()) throw std::runtime_error(problem);
+  nb::list out;
+  for (const std::vector<uint8_t>& result : response.results) {
+    out.append(nb::bytes(reinterpret_cast<const char*>(result.data()), result.size()));
+  }
+  return out;
+}
+
+void Respond(int device, uint64_t sequence, const std::vector<ReadOnlyBytes>& results) {
+  Response response;
+  for (const ReadOnlyBytes& result : results) {
+    response.results.emplace_back(result.data(), result.data() + result.size());
+  }
+  if (!g_responses.Abandoned(device, sequence)) g_responses.Set(device, sequence, std::move(response));
+}
+
+void RespondError(int device, uint64_t sequence, const std::string& message) {
+  Response response;
+  response.error = message.empty() ? "hostcallback: the call failed on the host" : message;
+  if (!g_responses.Abandoned(device, sequence)) g_responses.Set(device, sequence, std::move(response));
 }
 
 nb::dict StatsOf(int device) {
@@ -375,6 +544,7 @@ void SetAllClosed(bool closed) {
   std::lock_guard<std::mutex> lock(g_queues_mu);
   g_closed = closed;
   for (auto& [device, q] : g_queues) q->SetClosed(closed);
+  g_responses.SetClosed(closed);  // calls still waiting for an answer fail instead of hanging
 }
 
 void SetMaxQueueBytes(uint64_t n) {
@@ -391,6 +561,7 @@ NB_MODULE(_hostcallback_outfeed, m) {
   m.def("registrations", []() {
     nb::dict d;
     d["hostcallback_tap"] = nb::capsule(reinterpret_cast<void*>(HostcallbackTap));
+    d["hostcallback_call"] = nb::capsule(reinterpret_cast<void*>(HostcallbackCall));
     return d;
   });
   m.def("drain", &Drain, nb::arg("device"), nb::arg("max_records"), nb::arg("max_bytes"),
@@ -399,6 +570,13 @@ NB_MODULE(_hostcallback_outfeed, m) {
         "uint8 arrays, one a record, each owning its memory.");
   m.def("enqueue", &EnqueueFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),
         "Appends one record built from (dtype_code, dims, bytes) leaves; waits while the queue is full.");
+  m.def("call", &CallFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),
+        nb::arg("timeout_s"),
+        "Enqueues a call record and waits (GIL released) for the host's answer: a list of bytes.");
+  m.def("respond", &Respond, nb::arg("device"), nb::arg("sequence"), nb::arg("results"),
+        "The receiver's answer to a call record: one uint8 array per result leaf.");
+  m.def("respond_error", &RespondError, nb::arg("device"), nb::arg("sequence"), nb::arg("message"),
+        "Fails the waiting call with this message.");
   m.def("stats", &StatsOf, nb::arg("device"));
   m.def("set_closed", &SetAllClosed, nb::arg("closed"),
         "Closed queues refuse new records and wake every waiter; what they hold can still be drained.");

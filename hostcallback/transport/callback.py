@@ -35,7 +35,7 @@ def _devices_by_partition(axis_context) -> tuple:
     return tuple(getattr(axis_context, "device_assignment", None) or ())
 
 
-def emit(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
+def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
     ordinals = tuple(d.id for d in _devices_by_partition(ctx.module_context.axis_context))
 
     def enqueue_on_host(partition, *arrays):
@@ -51,3 +51,26 @@ def emit(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
         callback_ctx, enqueue_on_host, token, [partition, *args], callback_ctx.avals_in, [],
         has_side_effect=True, returns_token=True, sharding=op_sharding)
     return token_out
+
+
+def call(ctx, args, *, consumer_id: int, token, op_sharding, result_avals, timeout_s: float):
+    """The device's Python callback sends the record and waits (GIL released) for the answer."""
+    ordinals = tuple(d.id for d in _devices_by_partition(ctx.module_context.axis_context))
+    shapes = [(a.shape, np.dtype(a.dtype)) for a in result_avals]
+
+    def call_on_host(partition, *arrays):
+        ordinal = ordinals[int(partition)] if ordinals else jax.local_devices()[0].id
+        answers = outfeed.call(ordinal, consumer_id, [_leaf(a) for a in arrays], timeout_s)
+        return tuple(np.frombuffer(answer, dtype=dtype).reshape(shape)
+                     for answer, (shape, dtype) in zip(answers, shapes))
+
+    if isinstance(op_sharding, sharding_impls.SdyArrayList) and result_avals:
+        # With results, JAX adds the token's annotation itself.
+        op_sharding = sharding_impls.SdyArrayList(op_sharding.shardings[1:])
+    partition = hlo.partition_id()
+    callback_ctx = dataclasses.replace(ctx, avals_in=[_PARTITION_AVAL, *ctx.avals_in],
+                                       avals_out=list(result_avals))
+    results, token_out, _ = jax_callback.emit_python_callback(
+        callback_ctx, call_on_host, token, [partition, *args], callback_ctx.avals_in,
+        list(result_avals), has_side_effect=True, returns_token=True, sharding=op_sharding)
+    return token_out, list(results)

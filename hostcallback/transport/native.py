@@ -1,7 +1,7 @@
-"""The native transport: lowers a tap to our C++ FFI handler, which enqueues without Python.
+"""The native transport: lowers taps and calls to our C++ FFI handlers; no Python on the device.
 
-The custom call takes the ordering token and the tapped arrays and returns a token; it has a side
-effect, so XLA keeps it and never merges two of them.
+A tap's custom call takes the ordering token and the tapped arrays and returns a token; a call's
+also returns the host's results. Both have side effects, so XLA keeps them and never merges two.
 """
 
 from __future__ import annotations
@@ -15,15 +15,17 @@ from jax._src.interpreters import mlir
 
 from hostcallback._native import outfeed
 
-TARGET = "hostcallback_tap"
+TAP_TARGET = "hostcallback_tap"
+CALL_TARGET = "hostcallback_call"
 
 for _name, _capsule in outfeed.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
-_lower_tap = jax.ffi.ffi_lowering(TARGET, has_side_effect=True)
+_lower_tap = jax.ffi.ffi_lowering(TAP_TARGET, has_side_effect=True)
+_lower_call = jax.ffi.ffi_lowering(CALL_TARGET, has_side_effect=True)
 
 
-def emit(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
+def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
     call_ctx = dataclasses.replace(ctx, avals_in=[core.abstract_token, *ctx.avals_in],
                                    avals_out=[core.abstract_token])
     (token_out,) = _lower_tap(call_ctx, token, *args, consumer_id=np.uint64(consumer_id),
@@ -31,3 +33,15 @@ def emit(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
     if op_sharding is not None:
         mlir.set_sharding(ctx.module_context, token_out.owner, op_sharding)
     return token_out
+
+
+def call(ctx, args, *, consumer_id: int, token, op_sharding, result_avals, timeout_s: float):
+    """The device sends ``args`` and waits for the host's results, which the handler copies into
+    the outputs: (token, *results)."""
+    call_ctx = dataclasses.replace(ctx, avals_in=[core.abstract_token, *ctx.avals_in],
+                                   avals_out=[core.abstract_token, *result_avals])
+    token_out, *results = _lower_call(call_ctx, token, *args, consumer_id=np.uint64(consumer_id),
+                                      timeout_s=np.float64(timeout_s))
+    if op_sharding is not None:
+        mlir.set_sharding(ctx.module_context, token_out.owner, op_sharding)
+    return token_out, results

@@ -1,0 +1,48 @@
+"""Checks what a ``call`` consumer returned against the result shapes declared at trace time.
+
+The device waits for these bytes, so a wrong answer must become a clear error that names the
+consumer and the mismatch, never bytes of the wrong size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from jax import tree_util
+
+from hostcallback.registry import Consumer
+
+
+class CallResultError(TypeError):
+    """A call consumer returned a pytree, shape or dtype other than its result_shape."""
+
+
+def _describe(dtype, shape) -> str:
+    return f"{np.dtype(dtype)}{list(shape)}"
+
+
+def result_leaves(consumer: Consumer, result: Any) -> list[np.ndarray]:
+    """The result's leaves as C-contiguous arrays, exactly of the declared shapes and dtypes.
+
+    Python numbers are converted to the declared dtype; arrays must already have it. A call
+    without results ignores what its function returns.
+    """
+    if not consumer.result_avals:
+        return []
+    leaves, treedef = tree_util.tree_flatten(result)
+    if treedef != consumer.result_treedef:
+        raise CallResultError(
+            f"call consumer {consumer.name} returned a value of structure {treedef}; its "
+            f"result_shape has structure {consumer.result_treedef}")
+    out = []
+    for index, (leaf, (shape, dtype)) in enumerate(zip(leaves, consumer.result_avals)):
+        if isinstance(leaf, (bool, int, float, complex)):
+            leaf = np.asarray(leaf, dtype=dtype)
+        array = np.asarray(leaf)
+        if array.shape != tuple(shape) or array.dtype != np.dtype(dtype):
+            raise CallResultError(
+                f"call consumer {consumer.name} returned {_describe(array.dtype, array.shape)} "
+                f"for result leaf {index}; its result_shape says {_describe(dtype, shape)}")
+        out.append(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    return out

@@ -1,0 +1,169 @@
+"""call: host code whose results come back into the computation, and every way it can go wrong."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import hostcallback as hcb
+
+
+def test_call_returns_the_host_result_into_the_computation(transport):
+    f = jax.jit(lambda x: hcb.call(lambda v: np.asarray(v) * 2, x, result_shape=x) + 1)
+    np.testing.assert_array_equal(f(jnp.arange(3.0)), [1.0, 3.0, 5.0])
+
+
+def test_call_results_can_be_pytrees_of_other_shapes(transport):
+    def host(v):
+        v = np.asarray(v)
+        return {"sum": v.sum(), "twice": (v * 2).astype(np.int32)}
+
+    shape = {"sum": jax.ShapeDtypeStruct((), jnp.float32),
+             "twice": jax.ShapeDtypeStruct((3,), jnp.int32)}
+    out = jax.jit(lambda x: hcb.call(host, x, result_shape=shape))(jnp.arange(3.0))
+    assert out["sum"] == 3.0 and out["twice"].dtype == jnp.int32
+    np.testing.assert_array_equal(out["twice"], [0, 2, 4])
+
+
+@pytest.mark.parametrize("dtype", [np.bool_, np.int8, np.uint16, np.int32, np.uint32, np.float16,
+                                   ml_dtypes.bfloat16, np.float32, np.complex64])
+def test_every_dtype_round_trips_through_call(transport, dtype):
+    value = (np.arange(6) % 3).astype(dtype).reshape(2, 3)
+    out = jax.jit(lambda v: hcb.call(lambda a: np.asarray(a).copy(), v, result_shape=v))(value)
+    assert out.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(np.asarray(out).view(np.uint8), value.view(np.uint8))
+
+
+def test_float64_round_trips_with_x64(transport):
+    with jax.enable_x64(True):
+        value = np.array([1.0 / 3.0, 2.5e300])
+        out = jax.jit(lambda v: hcb.call(lambda a: np.asarray(a) * 2, v, result_shape=v))(value)
+        assert out.dtype == np.float64
+        np.testing.assert_array_equal(out, value * 2)
+
+
+def test_zero_size_results_and_empty_pytrees(transport):
+    out = jax.jit(lambda x: hcb.call(lambda v: (np.zeros((0, 2), np.float32), ()), x,
+                                     result_shape=(jax.ShapeDtypeStruct((0, 2), jnp.float32), ())))(
+        1.0)
+    assert out[0].shape == (0, 2) and out[1] == ()
+    assert jax.jit(lambda x: hcb.call(lambda v: None, x, result_shape=()))(1.0) == ()
+
+
+def test_a_call_without_result_runs_and_returns_none(transport, collector):
+    assert hcb.call(lambda v: collector(v, ()), jnp.float32(4)) is None
+    hcb.barrier_wait()
+    assert collector.values == [4.0]
+
+
+def test_scalar_result_shapes_and_python_number_results(transport):
+    out = jax.jit(lambda x: hcb.call(lambda v: 2.5, x, result_shape=np.float32(0)))(1.0)
+    assert out == 2.5 and out.dtype == jnp.float32
+
+
+def test_calls_in_loops_and_branches(transport):
+    def body(i, c):
+        return hcb.call(lambda v: np.asarray(v) + 1, c, result_shape=c)
+
+    f = jax.jit(lambda x: lax.cond(x > 0, lambda y: lax.fori_loop(0, 5, body, y), lambda y: y, x))
+    assert f(jnp.float32(1)) == 6 and f(jnp.float32(-1)) == -1
+
+
+def test_pmap_calls_on_each_device_with_its_slice_and_device(transport):
+    f = jax.pmap(lambda x: hcb.call(lambda v, device: np.asarray(v) * 10 + device.id, x,
+                                    result_shape=x, call_with_device=True))
+    np.testing.assert_array_equal(f(jnp.arange(4.0)), [0.0, 11.0, 22.0, 33.0])
+
+
+def test_shard_map_calls_on_each_device_with_its_shard(transport):
+    mesh = jax.make_mesh((4,), ("i",))
+    f = jax.jit(jax.shard_map(lambda x: hcb.call(lambda v: np.asarray(v)[::-1].copy(), x,
+                                                 result_shape=x),
+                              mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+    out = f(jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i"))))
+    np.testing.assert_array_equal(out, [1, 0, 3, 2, 5, 4, 7, 6])
+
+
+def test_a_raising_callback_fails_the_computation_clearly_and_the_process_goes_on(transport):
+    def broken(v):
+        raise ValueError("no answer today")
+
+    with pytest.raises(Exception, match="call consumer broken failed: ValueError: no answer today"):
+        jax.jit(lambda x: hcb.call(broken, x, result_shape=x))(1.0).block_until_ready()
+    with pytest.raises(hcb.CallbackException, match="no answer today") as info:
+        hcb.barrier_wait()
+    assert isinstance(info.value.__cause__, ValueError)
+    ok = jax.jit(lambda x: hcb.call(lambda v: np.asarray(v) + 1, x, result_shape=x))(1.0)
+    assert ok == 2.0  # later calls keep working
+
+
+@pytest.mark.parametrize("answer,message", [
+    (lambda v: np.zeros(2, np.float32), r"returned float32\[2\] for result leaf 0; its "
+                                        r"result_shape says float32\[3\]"),
+    (lambda v: np.zeros(3, np.int32), r"returned int32\[3\] for result leaf 0; its "
+                                      r"result_shape says float32\[3\]"),
+    (lambda v: (np.zeros(3, np.float32),), "returned a value of structure"),
+])
+def test_a_wrong_answer_is_a_clear_error_naming_the_mismatch(transport, answer, message):
+    with pytest.raises(Exception, match=message):
+        jax.jit(lambda x: hcb.call(answer, x, result_shape=x))(jnp.zeros(3)).block_until_ready()
+    with pytest.raises(hcb.CallbackException):
+        hcb.barrier_wait()
+
+
+def test_a_call_that_takes_too_long_fails_after_its_timeout(transport):
+    def slow(v):
+        time.sleep(1.5)
+        return v
+
+    started = time.monotonic()
+    with pytest.raises(Exception, match="did not answer this call within its timeout"):
+        jax.jit(lambda x: hcb.call(slow, x, result_shape=x, timeout=0.2))(1.0).block_until_ready()
+    assert time.monotonic() - started < 1.4
+    hcb.barrier_wait()  # the late answer is dropped, the receiver goes on
+    assert jax.jit(lambda x: hcb.call(lambda v: v, x, result_shape=x))(3.0) == 3.0
+
+
+@pytest.mark.parametrize("result_shape,message", [
+    ("float32", r"result_shape is a str"),
+    ({"a": object()}, r"result_shape\['a'\] is a object"),
+    (jax.ShapeDtypeStruct((2,), jnp.int4), "int4 cannot be tapped"),
+])
+def test_a_bad_result_shape_is_a_value_error_at_trace_time(result_shape, message):
+    with pytest.raises(ValueError, match=message):
+        hcb.call(lambda v: v, 1.0, result_shape=result_shape)
+
+
+def test_grad_through_call_points_to_custom_vjp():
+    with pytest.raises(TypeError, match="custom_vjp"):
+        jax.grad(lambda x: hcb.call(lambda v: v, x, result_shape=x))(1.0)
+
+
+def test_vmap_of_call_is_a_clear_error():
+    with pytest.raises(NotImplementedError, match="vmap of hostcallback.call"):
+        jax.vmap(lambda x: hcb.call(lambda v: v, x, result_shape=x))(jnp.ones(3))
+
+
+def test_call_in_a_sharded_jit_is_a_clear_error():
+    mesh = jax.make_mesh((4,), ("i",))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+    with pytest.raises(NotImplementedError, match="put the call inside shard_map"):
+        jax.jit(lambda x: hcb.call(lambda v: v, x, result_shape=x))(x)
+
+
+def test_taps_and_calls_share_the_per_device_order(transport, collector):
+    def f(x):
+        hcb.id_tap(collector, x)
+        y = hcb.call(lambda v: (collector(np.asarray(v) + 100, ()), np.asarray(v) + 1)[1], x,
+                     result_shape=x)
+        hcb.id_tap(collector, y)
+        return y
+
+    jax.jit(f)(jnp.int32(0))
+    hcb.barrier_wait()
+    assert [int(v) for v in collector.values] == [0, 100, 1]

@@ -167,3 +167,21 @@ def test_taps_and_calls_share_the_per_device_order(transport, collector):
     jax.jit(f)(jnp.int32(0))
     hcb.barrier_wait()
     assert [int(v) for v in collector.values] == [0, 100, 1]
+
+
+def test_a_custom_vjp_whose_backward_pass_is_another_call(transport):
+    @jax.custom_vjp
+    def host_square(x):
+        return hcb.call(lambda v: np.asarray(v) ** 2, x, result_shape=x)
+
+    def forward(x):
+        return host_square(x), x
+
+    def backward(x, cotangent):
+        return (hcb.call(lambda args: 2 * np.asarray(args[0]) * np.asarray(args[1]),
+                         (x, cotangent), result_shape=x),)
+
+    host_square.defvjp(forward, backward)
+    value, grad = jax.jit(jax.value_and_grad(lambda x: host_square(x).sum()))(jnp.arange(3.0))
+    assert value == 5.0
+    np.testing.assert_array_equal(grad, [0.0, 2.0, 4.0])

@@ -1,0 +1,30 @@
+"""A call function that fails every other time: those computations fail, the rest succeed."""
+
+import jax
+import numpy as np
+import pytest
+
+import hostcallback as hcb
+
+
+def test_every_other_call_fails_clearly_and_the_others_return(transport):
+    def flaky(v):
+        if int(v) % 2:
+            raise ValueError(f"odd {int(v)}")
+        return np.asarray(v) * 10
+
+    run = jax.jit(lambda x: hcb.call(flaky, x, result_shape=x))
+    answers, failures = [], []
+    for i in range(6):
+        try:
+            answers.append(int(run(np.int32(i))))
+        except Exception as error:  # the computation fails; the process lives on
+            failures.append(str(error))
+    assert answers == [0, 20, 40]
+    assert len(failures) == 3 and all("call consumer flaky failed: ValueError: odd" in f
+                                      for f in failures)
+    with pytest.raises(hcb.CallbackException, match=r"3 tap consumer call\(s\) raised.*"
+                                                    r"first: flaky.*odd 1.*last: flaky.*odd 5") as info:
+        hcb.barrier_wait()
+    assert isinstance(info.value.__cause__, ValueError)
+    hcb.barrier_wait()  # clean again

@@ -1,10 +1,17 @@
 """Ready-made tap consumers: record streams to files and sockets, logging, running statistics,
 and a collector for many processes. See docs/stream-format.md and docs/consumers.md."""
 
-from consumer.sinks import (FileSink, LoggingSink, Sink, SinkTap, SocketSink, StatsSink,
-                            summarize, tap_to)
-from consumer.stream import (StreamFormatError, StreamReader, StreamWriter, TapRecord,
-                             read_records)
+from consumer.sinks import (
+                            FileSink,
+                            LoggingSink,
+                            Sink,
+                            SinkTap,
+                            SocketSink,
+                            StatsSink,
+                            summarize,
+                            tap_to,
+)
+from consumer.stream import StreamFormatError, StreamReader, StreamWriter, TapRecord, read_records
 
 __all__ = ["FileSink", "LoggingSink", "Sink", "SinkTap", "SocketSink", "StatsSink",
            "StreamFormatError", "StreamReader", "StreamWriter", "TapRecord", "read_records",

@@ -115,7 +115,7 @@ class CollectorThread:
         self._task: asyncio.Task | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self, timeout: float = 10.0) -> "CollectorThread":
+    def start(self, timeout: float = 10.0) -> CollectorThread:
         started = threading.Event()
 
         async def run() -> None:

@@ -19,7 +19,8 @@ import select
 import socket
 import threading
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -191,7 +192,7 @@ class LoggingSink(Sink):
 
 
 class RunningStats:
-    __slots__ = ("count", "total", "minimum", "maximum", "last")
+    __slots__ = ("count", "last", "maximum", "minimum", "total")
 
     def __init__(self) -> None:
         self.count, self.total = 0, 0.0
@@ -225,9 +226,7 @@ def scalar_series(record: TapRecord) -> dict[str, float]:
         else:
             array = np.asarray(value)
             if array.size and np.issubdtype(array.dtype, np.number) \
-                    and not np.iscomplexobj(array):
-                out[prefix] = float(array.astype(np.float64).mean())
-            elif array.size and array.dtype.kind == "V":  # bfloat16 and other ml_dtypes
+                    and not np.iscomplexobj(array) or array.size and array.dtype.kind == "V":
                 out[prefix] = float(array.astype(np.float64).mean())
 
     visit(record.name, record.value)

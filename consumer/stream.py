@@ -14,7 +14,8 @@ import io
 import os
 import socket
 import time
-from typing import Any, BinaryIO, Iterator
+from collections.abc import Iterator
+from typing import Any, BinaryIO
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy by name)
 import msgpack
@@ -58,7 +59,7 @@ class TapRecord:
         return fields
 
     @classmethod
-    def from_map(cls, fields: dict[str, Any]) -> "TapRecord":
+    def from_map(cls, fields: dict[str, Any]) -> TapRecord:
         known = {f.name for f in dataclasses.fields(cls)}
         fields = {k: v for k, v in fields.items() if k in known}  # newer writers may add keys
         fields["value"] = decode_value(fields.get("value"))

@@ -3,12 +3,22 @@
 The public API, and nothing else. See docs/architecture.md for how a tap travels.
 """
 
-from hostcallback.api import (barrier_wait, call, id_print, id_tap, queue_stats,
-                              stop_outfeed_receiver)
 from hostcallback import config
+from hostcallback.api import (
+                              barrier_wait,
+                              call,
+                              id_print,
+                              id_tap,
+                              queue_stats,
+                              stop_outfeed_receiver,
+)
 from hostcallback.config import configure
-from hostcallback.receiver import (CallbackException, ReceiverStoppedError, RecordContext,
-                                   current_record)
+from hostcallback.receiver import (
+                              CallbackException,
+                              ReceiverStoppedError,
+                              RecordContext,
+                              current_record,
+)
 
 __version__ = "0.1.0"
 

@@ -7,7 +7,8 @@ error that names the argument and says what to do instead.
 
 from __future__ import annotations
 
-from typing import Any, Callable, TextIO
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import jax
 import jax.numpy as jnp
@@ -88,7 +89,7 @@ def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
 class _Printer:
     """id_print's consumer; equal printers make equal consumers, so retracing reuses the id."""
 
-    __slots__ = ("output_stream", "threshold", "metadata")
+    __slots__ = ("metadata", "output_stream", "threshold")
 
     def __init__(self, output_stream: TextIO | None, threshold: int | None,
                  metadata: dict[str, Any]) -> None:

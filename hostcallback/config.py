@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 TRANSPORTS = ("native", "callback")
 

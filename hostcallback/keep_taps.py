@@ -10,7 +10,7 @@ containing a tap is kept whole when none of its results are used, and otherwise 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from jax import lax
 from jax._src import core

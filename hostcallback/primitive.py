@@ -18,9 +18,10 @@ import weakref
 
 import jax
 import numpy as np
-from jax._src import config as jax_config, core, dispatch, effects, sharding_impls
-from jax._src.interpreters import batching, mlir, partial_eval as pe
-from jax._src.interpreters import ad
+from jax._src import config as jax_config
+from jax._src import core, dispatch, effects, sharding_impls
+from jax._src.interpreters import ad, batching, mlir
+from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir import ir
 from jax.extend.core import Primitive
 
@@ -53,7 +54,7 @@ def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
 class OrderedTapEffect(effects.Effect):
     """Taps that keep strict program order with each other, on each device."""
 
-    __str__ = __repr__ = lambda self: "HostcallbackOrderedTap"  # noqa: E731
+    __str__ = __repr__ = lambda self: "HostcallbackOrderedTap"
 
 
 ordered_tap_effect = OrderedTapEffect()
@@ -176,7 +177,7 @@ def _lower_in_manual_region(ctx, args, *, device_index, **params):
 
 
 # Per MLIR module being lowered: block -> token of the last tap emitted in that block.
-_token_chains: "weakref.WeakKeyDictionary[ir.Module, dict]" = weakref.WeakKeyDictionary()
+_token_chains: weakref.WeakKeyDictionary[ir.Module, dict] = weakref.WeakKeyDictionary()
 
 
 def _token_chain(ctx) -> dict:
@@ -236,4 +237,4 @@ for _platform in ("cpu", "cuda", "rocm", "tpu"):
             ctx, *args, platform=_platform, **params),
         platform=_platform, cacheable=False)
 
-__all__ = ["outside_call_p", "bind", "ALL_DEVICES"]
+__all__ = ["ALL_DEVICES", "bind", "outside_call_p"]

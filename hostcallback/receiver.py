@@ -92,7 +92,7 @@ class ReceiverPool:
         self._stopping = threading.Event()
         self._stopped = False
         self._local = threading.local()
-        self._flush_hooks: "weakref.WeakSet" = weakref.WeakSet()
+        self._flush_hooks: weakref.WeakSet = weakref.WeakSet()
         self._single_device_marker = None
         self._all_devices_marker = None
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from jax import tree_util
 
@@ -47,7 +48,7 @@ class Consumer:
             return self.func(*args, device=device)
         return self.func(*args)
 
-    def with_transform(self, transform: Transform) -> "Consumer":
+    def with_transform(self, transform: Transform) -> Consumer:
         return dataclasses.replace(self, transforms=self.transforms + (transform,))
 
 

@@ -9,10 +9,9 @@ import textwrap
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=4").strip()
 
-import pytest  # noqa: E402
+import pytest
 
-import hostcallback  # noqa: E402
-from hostcallback import config  # noqa: E402
+from hostcallback import config
 
 TRANSPORTS = ("native", "callback")
 

@@ -11,14 +11,15 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 coordinator_port, process_id, collector_port, steps = map(int, sys.argv[1:5])
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{coordinator_port}",
                            num_processes=2, process_id=process_id)
 
-import hostcallback as hcb  # noqa: E402
-from consumer import SocketSink, tap_to  # noqa: E402
+import hostcallback as hcb
+from consumer import SocketSink, tap_to
 
 assert (jax.device_count(), jax.local_device_count()) == (4, 2)
 mesh = jax.make_mesh((4,), ("devices",))

@@ -8,7 +8,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import hostcallback as hcb
 
@@ -103,10 +104,10 @@ def test_a_raising_callback_fails_the_computation_clearly_and_the_process_goes_o
 
 
 @pytest.mark.parametrize("answer,message", [
-    (lambda v: np.zeros(2, np.float32), r"returned float32\[2\] for result leaf 0; its "
-                                        r"result_shape says float32\[3\]"),
-    (lambda v: np.zeros(3, np.int32), r"returned int32\[3\] for result leaf 0; its "
-                                      r"result_shape says float32\[3\]"),
+    (lambda v: np.zeros(2, np.float32), (r"returned float32\[2\] for result leaf 0; its "
+                                         r"result_shape says float32\[3\]")),
+    (lambda v: np.zeros(3, np.int32), (r"returned int32\[3\] for result leaf 0; its "
+                                       r"result_shape says float32\[3\]")),
     (lambda v: (np.zeros(3, np.float32),), "returned a value of structure"),
 ])
 def test_a_wrong_answer_is_a_clear_error_naming_the_mismatch(transport, answer, message):

@@ -3,7 +3,6 @@
 import logging
 import os
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -14,14 +13,22 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import run_python
 from jax import lax
 
 import hostcallback as hcb
-from consumer import (FileSink, LoggingSink, SocketSink, StatsSink, StreamFormatError, TapRecord,
-                      read_records, tap_to)
-from consumer import stream
+from consumer import (
+    FileSink,
+    LoggingSink,
+    SocketSink,
+    StatsSink,
+    StreamFormatError,
+    TapRecord,
+    read_records,
+    stream,
+    tap_to,
+)
 from consumer.collector import CollectorThread
-from conftest import run_python
 
 
 @pytest.fixture

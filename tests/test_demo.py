@@ -3,7 +3,6 @@
 import subprocess
 import sys
 
-
 from consumer import read_records
 
 

@@ -1,7 +1,6 @@
 """Interpreter exit delivers pending taps; stop_outfeed_receiver drains, then refuses taps."""
 
 import pytest
-
 from conftest import run_python
 
 SLOW_TAPS = """

@@ -1,6 +1,5 @@
 """id_tap: what the tap function receives, what id_tap returns, and the errors it gives."""
 
-import functools
 
 import jax
 import jax.numpy as jnp

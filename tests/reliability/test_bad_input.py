@@ -3,11 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import hostcallback as hcb
-from consumer import StreamFormatError, StreamReader, TapRecord
-from consumer import stream
+from consumer import StreamFormatError, StreamReader, TapRecord, stream
 
 
 def test_a_tap_of_a_donated_buffer_sees_the_value_before_donation(transport, collector):

@@ -126,10 +126,6 @@ class ReceiverPool:
     def started(self) -> bool:
         return bool(self._threads) and not self._stopped
 
-    @property
-    def stopped(self) -> bool:
-        return self._stopped
-
     def stop(self, timeout: float | None = None) -> int:
         """Delivers what is queued, then stops the threads; returns how many records were left."""
         if not self.started:

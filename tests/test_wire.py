@@ -72,3 +72,9 @@ def test_mutated_and_truncated_records_never_crash_the_decoder(byte, cut, data):
         wire.decode_record(bytes(good[:max(0, len(good) - cut % 300)]))
     except wire.WireFormatError:
         pass
+
+
+def test_the_cpp_encoder_and_this_decoder_agree_on_the_version():
+    from hostcallback._native import outfeed
+
+    assert outfeed.WIRE_VERSION == wire.VERSION

@@ -186,3 +186,15 @@ def test_a_custom_vjp_whose_backward_pass_is_another_call(transport):
     value, grad = jax.jit(jax.value_and_grad(lambda x: host_square(x).sum()))(jnp.arange(3.0))
     assert value == 5.0
     np.testing.assert_array_equal(grad, [0.0, 2.0, 4.0])
+
+
+def test_a_call_function_may_run_jax_on_another_device(transport):
+    other = jax.devices()[1]
+    triple = jax.jit(lambda v: v * 3)
+
+    def host(v):
+        return np.asarray(triple(jax.device_put(np.asarray(v), other)))
+
+    x = jax.device_put(jnp.arange(3.0), jax.devices()[0])
+    out = jax.jit(lambda x: hcb.call(host, x, result_shape=x))(x)
+    np.testing.assert_array_equal(out, [0.0, 3.0, 6.0])

@@ -29,3 +29,16 @@ def test_grad_fires_the_tap_once_with_primal_values(transport, collector):
     np.testing.assert_array_equal(grad, [0.0, 2.0, 4.0])
     assert len(collector.calls) == 1
     np.testing.assert_array_equal(collector.values[0], [0.0, 1.0, 2.0])
+
+
+def test_remat_under_grad_fires_the_tap_again_when_the_forward_is_recomputed(transport,
+                                                                             collector):
+    def f(x):
+        return jnp.sum(hcb.id_tap(collector, jnp.sin(x)) ** 2)
+
+    jax.jit(jax.grad(jax.checkpoint(f)))(1.0)
+    hcb.barrier_wait()
+    assert len(collector.calls) == 2  # the forward pass, then its recomputation
+    assert all(transforms == () for _, transforms, _ in collector.calls)
+    np.testing.assert_allclose([float(v) for v in collector.values], [np.sin(1.0)] * 2,
+                               rtol=1e-6)

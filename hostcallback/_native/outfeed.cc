@@ -44,6 +44,7 @@ constexpr size_t kFixedHeaderBytes = 48;
 constexpr size_t kDescriptorBytes = 16;  // plus 8 bytes per dimension
 constexpr size_t kAlignment = 64;        // every payload starts 64-byte aligned
 constexpr size_t kSequenceOffset = 24;
+constexpr size_t kRecordSizeOffset = 40;
 
 size_t AlignUp(size_t n) { return (n + kAlignment - 1) / kAlignment * kAlignment; }
 
@@ -110,7 +111,7 @@ BufferPool g_pool;
 // Returns a record's buffer; its size is in its own header.
 void ReleaseRecord(uint8_t* data) {
   uint64_t size;
-  std::memcpy(&size, data + 40, sizeof(size));
+  std::memcpy(&size, data + kRecordSizeOffset, sizeof(size));
   g_pool.Put(data, size);
 }
 
@@ -139,7 +140,7 @@ Record EncodeRecord(uint64_t consumer_id, uint32_t device, const std::vector<Arr
   Put<uint64_t>(r.data + kSequenceOffset, 0);  // set when the record joins its queue
   Put<uint32_t>(r.data + 32, static_cast<uint32_t>(header));
   Put<uint32_t>(r.data + 36, 0);  // reserved
-  Put<uint64_t>(r.data + 40, size);
+  Put<uint64_t>(r.data + kRecordSizeOffset, size);
   uint8_t* at = r.data + kFixedHeaderBytes;
   size_t offset = header;
   for (const ArrayView& a : arrays) {
@@ -228,17 +229,12 @@ class DeviceQueue {
     not_empty_.notify_all();
   }
 
-  // Wakes producers waiting for room, so a smaller budget or a reopened queue takes effect.
+  // Wakes producers waiting for room, so that a larger budget takes effect at once.
   void Poke() { not_full_.notify_all(); }
 
   QueueStats Stats() {
     std::lock_guard<std::mutex> lock(mu_);
     return stats_;
-  }
-
-  bool Closed() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return closed_;
   }
 
  private:

@@ -10,6 +10,7 @@ and large arguments, jax#25861) and never calls the consumer itself.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -28,19 +29,23 @@ def _leaf(array: np.ndarray):
     return wire.dtype_code(array.dtype), list(array.shape), array.reshape(-1).view(np.uint8)
 
 
-def _devices_by_partition(axis_context) -> tuple:
-    """The devices of the computation, indexed by XLA's partition id."""
+def _ordinal_of_partition(axis_context) -> Callable[[np.ndarray], int]:
+    """Maps XLA's partition id, as the callback receives it, to the calling device's ordinal."""
     if isinstance(axis_context, sharding_impls.SPMDAxisContext):
-        return tuple(axis_context.mesh.devices.flat)
-    return tuple(getattr(axis_context, "device_assignment", None) or ())
+        devices = tuple(axis_context.mesh.devices.flat)
+    else:
+        devices = tuple(getattr(axis_context, "device_assignment", None) or ())
+    ordinals = tuple(d.id for d in devices)
+    if not ordinals:
+        return lambda partition: jax.local_devices()[0].id
+    return lambda partition: ordinals[int(partition)]
 
 
 def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
-    ordinals = tuple(d.id for d in _devices_by_partition(ctx.module_context.axis_context))
+    ordinal_of = _ordinal_of_partition(ctx.module_context.axis_context)
 
     def enqueue_on_host(partition, *arrays):
-        # The partition id says which device of the computation is calling.
-        ordinal = ordinals[int(partition)] if ordinals else jax.local_devices()[0].id
+        ordinal = ordinal_of(partition)
         if emit_device in (-1, ordinal):
             outfeed.enqueue(ordinal, consumer_id, [_leaf(a) for a in arrays])
         return ()
@@ -55,12 +60,11 @@ def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
 
 def call(ctx, args, *, consumer_id: int, token, op_sharding, result_avals, timeout_s: float):
     """The device's Python callback sends the record and waits (GIL released) for the answer."""
-    ordinals = tuple(d.id for d in _devices_by_partition(ctx.module_context.axis_context))
+    ordinal_of = _ordinal_of_partition(ctx.module_context.axis_context)
     shapes = [(a.shape, np.dtype(a.dtype)) for a in result_avals]
 
     def call_on_host(partition, *arrays):
-        ordinal = ordinals[int(partition)] if ordinals else jax.local_devices()[0].id
-        answers = outfeed.call(ordinal, consumer_id, [_leaf(a) for a in arrays], timeout_s)
+        answers = outfeed.call(ordinal_of(partition), consumer_id, [_leaf(a) for a in arrays], timeout_s)
         return tuple(np.frombuffer(answer, dtype=dtype).reshape(shape)
                      for answer, (shape, dtype) in zip(answers, shapes))
 

@@ -14,16 +14,14 @@ import asyncio
 import logging
 import os
 import re
-import struct
 import threading
 from typing import BinaryIO
 
-from consumer.stream import StreamFormatError, StreamReader, StreamWriter, pack
+from consumer.stream import ACK, StreamFormatError, StreamReader, StreamWriter, pack
 
 logger = logging.getLogger("hostcallback.collector")
 
 _SAFE_RUN = re.compile(r"[^A-Za-z0-9_.-]+")
-ACK = struct.Struct("<Q")  # records received on this connection so far
 
 
 class Collector:

@@ -25,8 +25,7 @@ from typing import Any
 import numpy as np
 
 import hostcallback
-from consumer.collector import ACK
-from consumer.stream import StreamWriter, TapRecord, pack, stream_header
+from consumer.stream import ACK, StreamWriter, TapRecord, pack, stream_header
 from hostcallback.receiver import receivers
 
 

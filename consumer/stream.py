@@ -13,6 +13,7 @@ import dataclasses
 import io
 import os
 import socket
+import struct
 import time
 from collections.abc import Iterator
 from typing import Any, BinaryIO
@@ -24,6 +25,10 @@ import numpy as np
 FORMAT = "hostcallback-stream"
 VERSION = 1
 SUPPORTED_VERSIONS = (1,)
+
+# Over TCP the collector answers with the number of records it has received on the connection
+# so far, as one of these, after each batch it writes; the sender forgets what is acknowledged.
+ACK = struct.Struct("<Q")
 
 _ARRAY = "__ndarray__"
 _TUPLE = "__tuple__"

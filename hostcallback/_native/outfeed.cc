@@ -259,12 +259,19 @@ bool g_closed = false;
 
 DeviceQueue* QueueFor(int device) {
   if (device < 0) return nullptr;
+  // Each device thread taps one device; queues are never freed, so the last lookup stays valid
+  // and the hot path takes no lock.
+  thread_local int cached_device = -1;
+  thread_local DeviceQueue* cached_queue = nullptr;
+  if (device == cached_device) return cached_queue;
   std::lock_guard<std::mutex> lock(g_queues_mu);
   DeviceQueue*& q = g_queues[device];
   if (q == nullptr) {
     q = new DeviceQueue();  // lives as long as the process: device threads may hold it
     if (g_closed) q->SetClosed(true);
   }
+  cached_device = device;
+  cached_queue = q;
   return q;
 }
 

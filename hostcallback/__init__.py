@@ -9,10 +9,12 @@ from hostcallback.api import (
                               call,
                               id_print,
                               id_tap,
+                              pure_callback,
                               queue_stats,
                               stop_outfeed_receiver,
 )
 from hostcallback.config import configure
+from hostcallback.flavors import CallbackFlavor
 from hostcallback.receiver import (
                               CallbackException,
                               ReceiverStoppedError,
@@ -24,6 +26,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CallbackException",
+    "CallbackFlavor",
     "ReceiverStoppedError",
     "RecordContext",
     "barrier_wait",
@@ -33,6 +36,7 @@ __all__ = [
     "current_record",
     "id_print",
     "id_tap",
+    "pure_callback",
     "queue_stats",
     "stop_outfeed_receiver",
 ]

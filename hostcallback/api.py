@@ -17,6 +17,7 @@ from jax import tree_util
 from jax._src import core
 
 from hostcallback import config, primitive, printing, transport, wire
+from hostcallback.flavors import CallbackFlavor, check_vmap_method, flavor_of
 from hostcallback.receiver import receivers
 from hostcallback.registry import Consumer, registry
 
@@ -43,14 +44,24 @@ def _leaf_to_array(path, leaf):
     return array
 
 
-def _tap(consumer: Consumer, leaves, device_index: int, ordered: bool | None, **call_params):
+def _tap(consumer: Consumer, leaves, device_index: int, ordered: bool | None,
+         flavor: CallbackFlavor, **call_params):
     if not isinstance(device_index, int) or device_index < 0:
         raise ValueError(f"device_index must be a non-negative int, got {device_index!r}")
     receivers.ensure_started()
     return primitive.bind(
         leaves, consumer_id=registry.register(consumer), transport=transport.default_transport(),
         ordered=config.settings.ordered if ordered is None else bool(ordered),
-        device_index=device_index, **call_params)
+        device_index=device_index, flavor=flavor.value, **call_params)
+
+
+def _accept_tap_with_transform(kwargs: dict) -> None:
+    """Tutorials pass tap_with_transform=True; transforms are always passed here, so it is
+    accepted (and False, which would ask for something we do not do, is refused clearly)."""
+    if kwargs.pop("tap_with_transform", True) is not True:
+        raise TypeError(
+            "tap_with_transform=False is not supported: tap functions are always called as "
+            "tap_func(arg, transforms). Ignore the second argument if you do not need it.")
 
 
 def _flatten(arg):
@@ -60,7 +71,7 @@ def _flatten(arg):
 
 def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
            tap_with_device: bool = False, device_index: int = 0, ordered: bool | None = None,
-           **kwargs: Any) -> Any:
+           callback_flavor: CallbackFlavor | str | None = None, **kwargs: Any) -> Any:
     """Sends ``arg`` to ``tap_func(arg, transforms)`` on the host and returns ``arg`` (or ``result``).
 
     The device only copies the values into its outfeed queue and goes on; a receiver thread calls
@@ -71,7 +82,11 @@ def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
     Taps of one straight-line block (and of one loop body or branch) run in program order. With
     ``ordered=True`` (default: ``HOSTCALLBACK_ORDERED``) ordered taps also keep program order across
     loops, branches and nested jits, at the cost of JAX's slower dispatch (docs/performance.md).
+    ``callback_flavor=CallbackFlavor.PURE`` lets JAX drop the tap when its result is unused.
+    ``device_index`` picks which of a computation's devices taps a value that is not split over
+    them (a sharded jit); under pmap and shard_map each device taps its own part.
     """
+    _accept_tap_with_transform(kwargs)
     if kwargs:
         raise TypeError(
             f"id_tap() got unexpected keyword argument(s) {', '.join(sorted(kwargs))}. Tap "
@@ -82,7 +97,7 @@ def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
     leaves, treedef = _flatten(arg)
     consumer = Consumer(func=tap_func, treedef=treedef, with_device=tap_with_device,
                         name=getattr(tap_func, "__name__", ""))
-    outs = _tap(consumer, leaves, device_index, ordered)
+    outs = _tap(consumer, leaves, device_index, ordered, flavor_of(callback_flavor))
     return result if result is not None else tree_util.tree_unflatten(treedef, outs)
 
 
@@ -111,18 +126,20 @@ class _Printer:
 
 def id_print(arg: Any, *, result: Any = None, tap_with_device: bool = False,
              output_stream: TextIO | None = None, threshold: int | None = None,
-             ordered: bool | None = None, **kwargs: Any) -> Any:
+             ordered: bool | None = None, device_index: int = 0,
+             callback_flavor: CallbackFlavor | str | None = None, **kwargs: Any) -> Any:
     """Prints ``arg`` on the host (as ``id_tap`` would deliver it) and returns ``arg`` (or ``result``).
 
     Keyword arguments become a first line of sorted ``key: value`` metadata, e.g.
     ``id_print(loss, what="loss")`` prints ``what: loss`` and then the value.
     """
+    _accept_tap_with_transform(kwargs)
     leaves, treedef = _flatten(arg)
     printer = _Printer(output_stream, threshold, dict(kwargs))
     consumer = Consumer(func=printer, treedef=treedef, with_device=tap_with_device,
                         metadata=tuple(sorted((k, repr(v)) for k, v in kwargs.items())),
                         name=str(kwargs.get("what", "id_print")))
-    outs = _tap(consumer, leaves, 0, ordered)
+    outs = _tap(consumer, leaves, device_index, ordered, flavor_of(callback_flavor))
     return result if result is not None else tree_util.tree_unflatten(treedef, outs)
 
 
@@ -180,27 +197,97 @@ def _result_spec(result_shape) -> tuple[tree_util.PyTreeDef, tuple]:
 
 def call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any = None,
          call_with_device: bool = False, device_index: int = 0, timeout: float | None = None,
-         ordered: bool | None = None) -> Any:
+         ordered: bool | None = None, callback_flavor: CallbackFlavor | str | None = None,
+         vmap_method: str | None = None, **kwargs: Any) -> Any:
     """Calls ``callback_func(arg)`` on the host and returns its result into the computation.
 
-    ``result_shape`` is a pytree of ``jax.ShapeDtypeStruct`` (or anything with ``.shape`` and
-    ``.dtype``) or numeric scalars describing what the function returns; ``None`` or ``()`` means
-    no result (the device still waits for the function to finish). The device sends ``arg``
+    ``result_shape`` (or its synonym ``result_shape_dtypes``) is a pytree of
+    ``jax.ShapeDtypeStruct`` (or anything with ``.shape`` and ``.dtype``) or numeric scalars
+    describing what the function returns; ``None`` or ``()`` means no result (the device still
+    waits for the function to finish, unless the flavor is DEBUG). The device sends ``arg``
     through the same outfeed queue as taps and waits for the answer. If the function raises,
     returns the wrong structure, shape or dtype, or takes longer than ``timeout`` seconds, the
     computation fails with an error that names it; ``barrier_wait`` reports it too.
-    ``call_with_device=True`` calls ``callback_func(arg, device=d)``.
+    ``call_with_device=True`` calls ``callback_func(arg, device=d)``. ``vmap_method`` says what
+    vmap does, with ``jax.pure_callback``'s meanings; without one, vmap raises.
     """
+    result_shape = _result_shape_keyword(result_shape, kwargs)
+    if kwargs:
+        raise TypeError(f"call() got unexpected keyword argument(s) {', '.join(sorted(kwargs))}")
     if not callable(callback_func):
         raise TypeError(f"call() needs a callable callback_func, got {type(callback_func).__name__}")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    flavor = flavor_of(callback_flavor)
+    check_vmap_method(vmap_method)
     leaves, treedef = _flatten(arg)
     result_treedef, result_avals = _result_spec(result_shape)
+    if flavor is CallbackFlavor.DEBUG and result_avals:
+        raise ValueError(
+            "a call with callback_flavor=CallbackFlavor.DEBUG cannot return a result (like "
+            "jax.debug.callback); drop result_shape, or use IO_CALLBACK or PURE")
     consumer = Consumer(func=callback_func, treedef=treedef, with_device=call_with_device,
                         name=getattr(callback_func, "__name__", repr(callback_func)),
                         result_treedef=result_treedef, result_avals=result_avals)
-    outs = _tap(consumer, leaves, device_index, ordered,
+    if flavor is CallbackFlavor.DEBUG:
+        # Nothing comes back, so the device does not wait: the record travels as a tap does.
+        _tap(consumer, leaves, device_index, ordered, flavor)
+        return None
+    outs = _tap(consumer, leaves, device_index, ordered, flavor,
                 result_avals=tuple(core.ShapedArray(shape, dtype) for shape, dtype in result_avals),
-                timeout_s=float(timeout or 0.0))
+                timeout_s=float(timeout or 0.0), vmap_method=vmap_method)
     return None if result_shape is None else tree_util.tree_unflatten(result_treedef, outs)
+
+
+def _result_shape_keyword(result_shape: Any, kwargs: dict) -> Any:
+    """``result_shape_dtypes`` (jax.pure_callback's name) is accepted as a synonym."""
+    if "result_shape_dtypes" not in kwargs:
+        return result_shape
+    synonym = kwargs.pop("result_shape_dtypes")
+    if result_shape is not None:
+        raise TypeError("call() got both result_shape and result_shape_dtypes; they mean the "
+                        "same thing, pass one")
+    return synonym
+
+
+class _CallWithArgs:
+    """Adapts ``callback(*args, **kwargs)`` to a call consumer's single argument; equal for equal
+    callbacks, so that retracing reuses the consumer id."""
+
+    __slots__ = ("__name__", "callback")
+
+    def __init__(self, callback: Callable[..., Any]) -> None:
+        self.callback = callback
+        self.__name__ = getattr(callback, "__name__", repr(callback))
+
+    def __eq__(self, other):
+        return isinstance(other, _CallWithArgs) and self.callback == other.callback
+
+    def __hash__(self):
+        return hash(self.callback)
+
+    def __call__(self, packed):
+        args, kwargs = packed
+        return self.callback(*args, **kwargs)
+
+
+def pure_callback(callback: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
+                  sharding: Any = None, vmap_method: str | None = None, **kwargs: Any) -> Any:
+    """``jax.pure_callback`` with the same signature, over hostcallback's transport.
+
+    ``callback(*args, **kwargs)`` runs on the host with numpy arrays and returns a pytree like
+    ``result_shape_dtypes``. JAX may drop the call when its result is unused
+    (CallbackFlavor.PURE). Unlike JAX's, it runs per device under pmap and shard_map, and an
+    error in it fails the computation with a message that names it and reaches barrier_wait.
+    ``sharding`` may only be None or a single-device sharding of the device that runs the
+    computation; hostcallback.call's ``device_index`` picks a device of a sharded computation.
+    """
+    if sharding is not None and len(getattr(sharding, "device_set", ())) != 1:
+        raise NotImplementedError(
+            f"pure_callback(sharding={sharding!r}): only None or a single-device sharding is "
+            "supported; to pick which device of a sharded computation calls the host, use "
+            "hostcallback.call(..., device_index=i, callback_flavor=CallbackFlavor.PURE)")
+    if not callable(callback):
+        raise TypeError(f"pure_callback() needs a callable, got {type(callback).__name__}")
+    return call(_CallWithArgs(callback), (args, kwargs), result_shape=result_shape_dtypes,
+                callback_flavor=CallbackFlavor.PURE, vmap_method=vmap_method)

@@ -26,9 +26,10 @@ def register_tap_primitive(primitive) -> None:
 
 
 def contains_tap(jaxpr) -> bool:
+    """Whether jaxpr holds a tap that must not be removed (a PURE one may be)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # a ClosedJaxpr holds a Jaxpr
     for eqn in jaxpr.eqns:
-        if eqn.primitive in _tap_primitives:
+        if eqn.primitive in _tap_primitives and eqn.params.get("flavor") != "pure":
             return True
         if any(contains_tap(sub) for sub in core.jaxprs_in_params(eqn.params)):
             return True

@@ -145,16 +145,45 @@ def test_grad_through_call_points_to_custom_vjp():
         jax.grad(lambda x: hcb.call(lambda v: v, x, result_shape=x))(1.0)
 
 
-def test_vmap_of_call_is_a_clear_error():
-    with pytest.raises(NotImplementedError, match="vmap of hostcallback.call"):
-        jax.vmap(lambda x: hcb.call(lambda v: v, x, result_shape=x))(jnp.ones(3))
-
-
-def test_call_in_a_sharded_jit_is_a_clear_error():
+def test_a_call_in_a_sharded_jit_runs_once_on_the_device_at_device_index(transport):
     mesh = jax.make_mesh((4,), ("i",))
     x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
-    with pytest.raises(NotImplementedError, match="put the call inside shard_map"):
-        jax.jit(lambda x: hcb.call(lambda v: v, x, result_shape=x))(x)
+    calls = []
+
+    def host(v, device):
+        calls.append((np.asarray(v).copy(), device))
+        return np.asarray(v) * 2
+
+    f = jax.jit(lambda x: hcb.call(host, x, result_shape=x, call_with_device=True,
+                                   device_index=2) + 1)
+    out = f(x)
+    np.testing.assert_array_equal(out, np.arange(8.0) * 2 + 1)
+    assert len(calls) == 1
+    np.testing.assert_array_equal(calls[0][0], np.arange(8.0))  # the whole logical value
+    assert calls[0][1] == mesh.devices.flat[2]
+
+
+def test_a_sharded_jit_call_hands_every_device_the_exact_bits(transport):
+    mesh = jax.make_mesh((4,), ("i",))
+    answers = (np.array([-0.0, np.nan, 1.5], np.float32), np.array([True, False]),
+               np.array([1 + 2j, -0.0 - 3j], np.complex64), np.array([-7, 127], np.int8),
+               np.array([2**31 + 5], np.uint32), np.array([0.1], ml_dtypes.bfloat16))
+    shapes = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in answers)
+    x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("i")))
+    outs = jax.jit(lambda x: hcb.call(lambda v: answers, x, result_shape=shapes))(x)
+    for out, answer in zip(outs, answers):
+        for shard in out.addressable_shards:  # every device holds the caller's bits
+            np.testing.assert_array_equal(np.asarray(shard.data).view(np.uint8),
+                                          answer.view(np.uint8))
+
+
+def test_device_index_out_of_range_is_a_clear_error(transport):
+    mesh = jax.make_mesh((4,), ("i",))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+    with pytest.raises(ValueError, match="device_index=4 is out of range .* 4 device"):
+        jax.jit(lambda x: hcb.call(lambda v: v, x, result_shape=x, device_index=4))(x)
+    with pytest.raises(ValueError, match="device_index=1 is out of range .* 1 device"):
+        jax.jit(lambda x: hcb.id_tap(lambda *a: None, x, device_index=1))(jnp.ones(2))
 
 
 def test_taps_and_calls_share_the_per_device_order(transport, collector):

@@ -405,8 +405,21 @@ ffi::Error TapImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_de
 }  // namespace
 
 // A `call`: send the arrays, wait for the host's results, copy them into the outputs.
-ffi::Error CallImpl(int32_t device_ordinal, uint64_t consumer_id, double timeout_s,
-                    ffi::RemainingArgs args, ffi::RemainingRets rets) {
+// emit_device >= 0: only that device calls; the others return zeros (the lowering then takes the
+// calling device's results to every device).
+ffi::Error CallImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_device,
+                    double timeout_s, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  if (emit_device != -1 && emit_device != device_ordinal) {
+    for (size_t i = 0; i < rets.size(); ++i) {
+      ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
+      if (!ret.has_value()) return ret.error();
+      ffi::AnyBuffer out = *ret.value();
+      if (out.element_type() != ffi::DataType::TOKEN && out.size_bytes() > 0) {
+        std::memset(out.untyped_data(), 0, out.size_bytes());
+      }
+    }
+    return ffi::Error::Success();
+  }
   std::vector<ArrayView> arrays;
   if (ffi::Error error = CollectArrays(args, 0, &arrays); error.failure()) return error;
   Response response;
@@ -434,6 +447,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackCall, CallImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("consumer_id")
+                                  .Attr<int64_t>("emit_device")
                                   .Attr<double>("timeout_s")
                                   .RemainingArgs()
                                   .RemainingRets());

@@ -1,8 +1,8 @@
 """The two ways a tap's bytes reach the outfeed queues; both feed the same receivers.
 
 A transport module writes the MLIR for one tap, ``tap(ctx, args, *, consumer_id, emit_device,
-token, op_sharding) -> token``, and for one call, ``call(ctx, args, *, consumer_id, token,
-op_sharding, result_avals, timeout_s) -> (token, results)``. The native one calls our C++ FFI
+token, op_sharding) -> token``, and for one call, ``call(ctx, args, *, consumer_id, emit_device,
+token, op_sharding, result_avals, timeout_s) -> (token, results)``. The native one calls our C++ FFI
 handlers on the device thread; the callback one goes through JAX's host callbacks, for platforms
 that have no native handler.
 """

@@ -58,13 +58,18 @@ def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
     return token_out
 
 
-def call(ctx, args, *, consumer_id: int, token, op_sharding, result_avals, timeout_s: float):
-    """The device's Python callback sends the record and waits (GIL released) for the answer."""
+def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, result_avals,
+         timeout_s: float):
+    """The device's Python callback sends the record and waits (GIL released) for the answer;
+    with emit_device >= 0 the other devices return zeros at once."""
     ordinal_of = _ordinal_of_partition(ctx.module_context.axis_context)
     shapes = [(a.shape, np.dtype(a.dtype)) for a in result_avals]
 
     def call_on_host(partition, *arrays):
-        answers = outfeed.call(ordinal_of(partition), consumer_id, [_leaf(a) for a in arrays], timeout_s)
+        ordinal = ordinal_of(partition)
+        if emit_device not in (-1, ordinal):
+            return tuple(np.zeros(shape, dtype) for shape, dtype in shapes)
+        answers = outfeed.call(ordinal, consumer_id, [_leaf(a) for a in arrays], timeout_s)
         return tuple(np.frombuffer(answer, dtype=dtype).reshape(shape)
                      for answer, (shape, dtype) in zip(answers, shapes))
 

@@ -35,12 +35,14 @@ def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
     return token_out
 
 
-def call(ctx, args, *, consumer_id: int, token, op_sharding, result_avals, timeout_s: float):
+def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, result_avals,
+         timeout_s: float):
     """The device sends ``args`` and waits for the host's results, which the handler copies into
-    the outputs: (token, *results)."""
+    the outputs: (token, *results). With emit_device >= 0 the other devices get zeros at once."""
     call_ctx = dataclasses.replace(ctx, avals_in=[core.abstract_token, *ctx.avals_in],
                                    avals_out=[core.abstract_token, *result_avals])
     token_out, *results = _lower_call(call_ctx, token, *args, consumer_id=np.uint64(consumer_id),
+                                      emit_device=np.int64(emit_device),
                                       timeout_s=np.float64(timeout_s))
     if op_sharding is not None:
         mlir.set_sharding(ctx.module_context, token_out.owner, op_sharding)

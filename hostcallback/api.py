@@ -71,7 +71,8 @@ def _flatten(arg):
 
 def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
            tap_with_device: bool = False, device_index: int = 0, ordered: bool | None = None,
-           callback_flavor: CallbackFlavor | str | None = None, **kwargs: Any) -> Any:
+           callback_flavor: CallbackFlavor | str | None = None, partitioned: bool = False,
+           replays: str = "deliver", **kwargs: Any) -> Any:
     """Sends ``arg`` to ``tap_func(arg, transforms)`` on the host and returns ``arg`` (or ``result``).
 
     The device only copies the values into its outfeed queue and goes on; a receiver thread calls
@@ -84,7 +85,12 @@ def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
     loops, branches and nested jits, at the cost of JAX's slower dispatch (docs/performance.md).
     ``callback_flavor=CallbackFlavor.PURE`` lets JAX drop the tap when its result is unused.
     ``device_index`` picks which of a computation's devices taps a value that is not split over
-    them (a sharded jit); under pmap and shard_map each device taps its own part.
+    them (a sharded jit); under pmap and shard_map each device taps its own part. With
+    ``partitioned=True`` each device of a sharded jit taps its own shard instead (no gather), and
+    ``transforms`` ends with ``("shard", {"index", "offset", "global_shape"})``.
+    ``replays`` says what a tap does when ``jax.checkpoint`` recomputes it under grad: "deliver"
+    (fire again, as legacy), "mark" (fire with ``("remat_replay", {})`` in ``transforms``) or
+    "skip".
     """
     _accept_tap_with_transform(kwargs)
     if kwargs:
@@ -97,8 +103,16 @@ def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
     leaves, treedef = _flatten(arg)
     consumer = Consumer(func=tap_func, treedef=treedef, with_device=tap_with_device,
                         name=getattr(tap_func, "__name__", ""))
-    outs = _tap(consumer, leaves, device_index, ordered, flavor_of(callback_flavor))
+    outs = _tap(consumer, leaves, device_index, ordered, flavor_of(callback_flavor),
+                **_tap_only_params(partitioned, replays))
     return result if result is not None else tree_util.tree_unflatten(treedef, outs)
+
+
+def _tap_only_params(partitioned: bool, replays: str) -> dict:
+    if replays not in primitive.REPLAYS:
+        raise ValueError(f"replays must be one of {', '.join(map(repr, primitive.REPLAYS))}, "
+                         f"got {replays!r}")
+    return {"partitioned": bool(partitioned), "replays": replays}
 
 
 class _Printer:
@@ -127,11 +141,13 @@ class _Printer:
 def id_print(arg: Any, *, result: Any = None, tap_with_device: bool = False,
              output_stream: TextIO | None = None, threshold: int | None = None,
              ordered: bool | None = None, device_index: int = 0,
-             callback_flavor: CallbackFlavor | str | None = None, **kwargs: Any) -> Any:
+             callback_flavor: CallbackFlavor | str | None = None, partitioned: bool = False,
+             replays: str = "deliver", **kwargs: Any) -> Any:
     """Prints ``arg`` on the host (as ``id_tap`` would deliver it) and returns ``arg`` (or ``result``).
 
     Keyword arguments become a first line of sorted ``key: value`` metadata, e.g.
-    ``id_print(loss, what="loss")`` prints ``what: loss`` and then the value.
+    ``id_print(loss, what="loss")`` prints ``what: loss`` and then the value. The other
+    keywords mean what they mean for ``id_tap``.
     """
     _accept_tap_with_transform(kwargs)
     leaves, treedef = _flatten(arg)
@@ -139,7 +155,8 @@ def id_print(arg: Any, *, result: Any = None, tap_with_device: bool = False,
     consumer = Consumer(func=printer, treedef=treedef, with_device=tap_with_device,
                         metadata=tuple(sorted((k, repr(v)) for k, v in kwargs.items())),
                         name=str(kwargs.get("what", "id_print")))
-    outs = _tap(consumer, leaves, device_index, ordered, flavor_of(callback_flavor))
+    outs = _tap(consumer, leaves, device_index, ordered, flavor_of(callback_flavor),
+                **_tap_only_params(partitioned, replays))
     return result if result is not None else tree_util.tree_unflatten(treedef, outs)
 
 

@@ -25,7 +25,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir import ir
 from jax.extend.core import Primitive
 
-from hostcallback import keep_taps
+from hostcallback import keep_taps, sharded_lowering
 from hostcallback.flavors import VMAP_METHODS
 from hostcallback.registry import registry
 
@@ -36,21 +36,26 @@ dispatch.prim_requires_devices_during_lowering.add(outside_call_p)
 keep_taps.register_tap_primitive(outside_call_p)
 
 # emit_device: which local device ordinal enqueues (ALL_DEVICES: each that runs the tap).
-ALL_DEVICES = -1
-NO_LOCAL_DEVICE = -2
+ALL_DEVICES = sharded_lowering.ALL_DEVICES
 
 
 PURE = "pure"  # CallbackFlavor.PURE.value: JAX may drop the callback when its result is unused
 
 
+REPLAYS = ("deliver", "mark", "skip")  # what a tap does when jax.checkpoint recomputes it
+_SKIPPED = "skipped"  # the replayed copy of a replays="skip" tap: lowers to nothing
+
+
 def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
          device_index: int = 0, result_avals: tuple | None = None, timeout_s: float = 0.0,
-         flavor: str = "io_callback", vmap_method: str | None = None):
+         flavor: str = "io_callback", vmap_method: str | None = None,
+         partitioned: bool = False, replays: str = "deliver"):
     """A tap (result_avals None: returns the leaves) or a call (returns arrays of result_avals)."""
     return outside_call_p.bind(*leaves, consumer_id=consumer_id, transport=transport,
                                ordered=ordered, device_index=device_index,
                                emit_device=ALL_DEVICES, result_avals=result_avals,
-                               timeout_s=timeout_s, flavor=flavor, vmap_method=vmap_method)
+                               timeout_s=timeout_s, flavor=flavor, vmap_method=vmap_method,
+                               partitioned=partitioned, replays=replays)
 
 
 # ---- effects ---------------------------------------------------------------------------------
@@ -165,87 +170,46 @@ def _jvp_rule(primals, tangents, **params):
 ad.primitive_jvps[outside_call_p] = _jvp_rule
 
 
+def _transpose_rule(cotangents, *args, consumer_id, **params):
+    """A tap on tangent values (in a custom_jvp rule) runs backwards: it taps the cotangents,
+    with ("transpose", {}) in its transforms, and passes them on, as legacy host_callback did."""
+    if params["result_avals"] is not None:
+        raise TypeError("hostcallback.call cannot be transposed; see docs/transformations.md")
+    cotangents = [ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct for ct in cotangents]
+    transposed = registry.get(consumer_id).with_transform(("transpose", {}))
+    outs = outside_call_p.bind(*cotangents, consumer_id=registry.register(transposed), **params)
+    return [out if ad.is_undefined_primal(arg) else None for out, arg in zip(outs, args)]
+
+
+ad.primitive_transposes[outside_call_p] = _transpose_rule
+
+
+def _remat_rule(saveable, unknowns_in, instantiated_in, eqn):
+    """Splits a tap between the forward pass and jax.checkpoint's recomputation. A tap on known
+    values runs in the forward pass; when its outputs are recomputed rather than saved, the
+    recomputed copy is a replay, which fires again (replays="deliver", as legacy), fires with
+    ("remat_replay", {}) in its transforms ("mark"), or does nothing ("skip")."""
+    n = len(eqn.outvars)
+    residuals = [v for v, inst in zip(eqn.invars, instantiated_in)
+                 if type(v) is core.Var and not inst]
+    if any(unknowns_in):
+        return None, eqn, [True] * n, [True] * n, residuals
+    policy = pe.ensure_enum(saveable(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params))
+    if not isinstance(policy, pe.RecomputeType):  # saved (or offloaded): no replay
+        return eqn, None, [False] * n, [False] * n, []
+    params = dict(eqn.params)
+    if params["replays"] == "skip":
+        params["replays"] = _SKIPPED
+    elif params["replays"] == "mark":
+        marked = registry.get(params["consumer_id"]).with_transform(("remat_replay", {}))
+        params["consumer_id"] = registry.register(marked)
+    return eqn, eqn.replace(params=params), [False] * n, [True] * n, residuals
+
+
+pe.partial_eval_jaxpr_custom_rules[outside_call_p] = _remat_rule
+
+
 # ---- lowering ----------------------------------------------------------------------------------
-
-
-def _local_ordinal(device) -> int:
-    """The ordinal XLA gives the FFI handler for a device, or NO_LOCAL_DEVICE if it is remote."""
-    if device.process_index != jax.process_index():
-        return NO_LOCAL_DEVICE
-    return device.id
-
-
-def _manual_sharding(result_ranks: list[int]):
-    """The annotation that says: run this op on every device, on its own data (shard_map).
-    Shardy wants one entry per result, with one dimension entry per dimension."""
-    from jax._src.lib import xla_client as xc
-
-    if jax_config.use_shardy_partitioner.value:
-        return sharding_impls.SdyArrayList(tuple(
-            sharding_impls.SdyArray(
-                mesh_shape=(), logical_device_ids=(),
-                dim_shardings=(sharding_impls.SdyDim(axes=(), is_open=False),) * rank)
-            for rank in result_ranks))
-    op_sharding = xc.OpSharding()
-    op_sharding.type = xc.OpSharding.Type.MANUAL
-    return op_sharding
-
-
-def _lower_in_manual_region(ctx, args, *, device_index, **params):
-    """Runs the tap inside a shard_map over all devices, so that each device sees the whole value,
-    and lets only the device at ``device_index`` enqueue it (or, for a call, call the host; the
-    others get zeros, and a sum over the devices hands every device the caller's results). XLA's
-    Shardy partitioner keeps the maximal sharding JAX uses for this only on JAX's own callback
-    targets, so we cannot use it."""
-    devices = ctx.module_context.axis_context.device_assignment
-    mesh_devices = np.empty(len(devices), dtype=object)
-    mesh_devices[:] = list(devices)
-    axis = "_hostcallback_devices"
-    mesh = jax.sharding.Mesh(mesh_devices, (axis,))
-    emit_device = _local_ordinal(devices[device_index])
-
-    def tap_on_every_device(*xs):
-        outs = outside_call_p.bind(*xs, device_index=device_index, emit_device=emit_device,
-                                   **params)
-        if params["result_avals"] is None:
-            return outs
-        return [_share_from_caller(out, axis) for out in outs]
-
-    replicated = jax.sharding.PartitionSpec()
-    region = jax.shard_map(tap_on_every_device, mesh=mesh, in_specs=replicated,
-                           out_specs=replicated, check_vma=False)
-    # The avals may carry the outer computation's sharding; inside the region they are whole.
-    region_ctx = dataclasses.replace(ctx, avals_in=_plain(ctx.avals_in),
-                                     avals_out=_plain(ctx.avals_out))
-    outs = mlir.lower_fun(region, multiple_results=True)(region_ctx, *args)
-    if region_ctx.tokens_out is not None:
-        ctx.set_tokens_out(region_ctx.tokens_out)
-    return outs
-
-
-def _plain(avals):
-    return [core.ShapedArray(a.shape, a.dtype) for a in avals]
-
-
-def _share_from_caller(x, axis_name):
-    """x on the calling device, zeros on the others -> x on every device, bit for bit (a sum of
-    the bit patterns; complex numbers as two real halves)."""
-    dtype = np.dtype(x.dtype)
-    if dtype == np.bool_:
-        return jax.lax.psum(x.astype(np.uint8), axis_name).astype(np.bool_)
-    if dtype.kind == "c":
-        return jax.lax.complex(_share_from_caller(jax.lax.real(x), axis_name),
-                               _share_from_caller(jax.lax.imag(x), axis_name))
-    bits = np.dtype(f"uint{8 * dtype.itemsize}")
-    summed = jax.lax.psum(jax.lax.bitcast_convert_type(x, bits), axis_name)
-    return jax.lax.bitcast_convert_type(summed, dtype)
-
-
-def _check_device_index(device_index: int, num_devices: int) -> None:
-    if not 0 <= device_index < num_devices:
-        raise ValueError(
-            f"device_index={device_index} is out of range for a computation on {num_devices} "
-            f"device(s): it picks one of the computation's devices, 0 to {num_devices - 1}")
 
 
 # Per MLIR module being lowered: block -> token of the last tap emitted in that block.
@@ -256,10 +220,14 @@ def _token_chain(ctx) -> dict:
     return _token_chains.setdefault(ctx.module_context.module, {})
 
 
-def _lowering(ctx, *args, consumer_id, transport, ordered, device_index, emit_device,
-              result_avals, timeout_s, platform, flavor, vmap_method):
-    from hostcallback.transport import emitter_for
+def _lowering(ctx, *args, platform, **params):
+    from hostcallback.transport import NATIVE_PLATFORMS, emitter_for
 
+    consumer_id, transport, ordered, emit_device, result_avals, timeout_s = (
+        params[k] for k in ("consumer_id", "transport", "ordered", "emit_device", "result_avals",
+                            "timeout_s"))
+    if params["replays"] == _SKIPPED:
+        return list(args)
     is_call = result_avals is not None
     axis_context = ctx.module_context.axis_context
     op_sharding = None
@@ -268,14 +236,21 @@ def _lowering(ctx, *args, consumer_id, transport, ordered, device_index, emit_de
             raise NotImplementedError(
                 "hostcallback taps inside shard_map need every mesh axis to be manual; with "
                 "partially automatic axes, tap outside the shard_map or make all axes manual")
-        op_sharding = _manual_sharding([0] + [a.ndim for a in result_avals or ()])  # token first
+        op_sharding = sharded_lowering.manual_sharding(
+            [0] + [a.ndim for a in result_avals or ()])  # the token comes first
     elif isinstance(axis_context, sharding_impls.ShardingContext):
-        _check_device_index(device_index, axis_context.num_devices)
+        sharded_lowering.check_device_index(params["device_index"], axis_context.num_devices)
         if axis_context.num_devices > 1:
-            return _lower_in_manual_region(
-                ctx, args, consumer_id=consumer_id, transport=transport, ordered=ordered,
-                device_index=device_index, result_avals=result_avals, timeout_s=timeout_s,
-                flavor=flavor, vmap_method=vmap_method)
+            if params["partitioned"] and not is_call and args:
+                if emitter_for(transport, platform).__name__.endswith(".callback"):
+                    raise NotImplementedError(
+                        "partitioned=True under automatic sharding needs the native transport "
+                        f"(platforms {sorted(NATIVE_PLATFORMS)}): JAX's host callbacks cannot run "
+                        "inside the per-shard computation XLA builds. Tap inside a shard_map "
+                        "instead; there each device taps its own shard on any transport")
+                return sharded_lowering.lower_partitioned(ctx, args, **params)
+            del params["emit_device"]
+            return sharded_lowering.lower_on_one_device(ctx, args, **params)
     emit = emitter_for(transport, platform)
     if ordered:
         # JAX threads this token through loops, branches and calls: strict program order.

@@ -34,6 +34,8 @@ class Consumer:
     # A `call` consumer: func(arg[, device=d]) returns a pytree of this structure and these avals.
     result_treedef: tree_util.PyTreeDef | None = None
     result_avals: tuple = ()
+    # A partitioned tap: (device id, transform) pairs; the record's device picks one to append.
+    per_device_transforms: tuple = ()
 
     @property
     def is_call(self) -> bool:
@@ -43,10 +45,16 @@ class Consumer:
         """Rebuilds the tapped pytree and calls the consumer the way the legacy API did:
         taps as func(arg, transforms), calls as func(arg), each with device=d when asked."""
         arg = tree_util.tree_unflatten(self.treedef, leaves)
-        args = (arg,) if self.is_call else (arg, self.transforms)
+        args = (arg,) if self.is_call else (arg, self.transforms_for(device))
         if self.with_device:
             return self.func(*args, device=device)
         return self.func(*args)
+
+    def transforms_for(self, device) -> tuple[Transform, ...]:
+        for device_id, transform in self.per_device_transforms:
+            if device is not None and device_id == device.id:
+                return self.transforms + (transform,)
+        return self.transforms
 
     def with_transform(self, transform: Transform) -> Consumer:
         return dataclasses.replace(self, transforms=self.transforms + (transform,))
@@ -77,7 +85,8 @@ class ConsumerRegistry:
     def register(self, consumer: Consumer) -> int:
         key = (_freeze(consumer.func), consumer.treedef, _freeze(consumer.transforms),
                consumer.with_device, _freeze(consumer.metadata), consumer.name,
-               consumer.result_treedef, consumer.result_avals)
+               consumer.result_treedef, consumer.result_avals,
+               _freeze(consumer.per_device_transforms))
         with self._lock:
             found = self._by_key.get(key)
             if found is not None:

@@ -1,0 +1,161 @@
+"""Lowering a tap or call inside a jit that XLA partitions automatically over several devices.
+
+Shardy keeps the maximal sharding JAX uses for "run this once, on one device" only on JAX's own
+callback targets, so we build the two forms ourselves:
+
+- whole value (the default, as legacy and jax.debug.callback): a shard_map over all devices, in
+  which every device sees the whole value and only the device at ``device_index`` enqueues it
+  (or, for a call, calls the host; the others get zeros, and a sum over the devices hands every
+  device the caller's results, bit for bit).
+- ``partitioned=True`` (taps): a custom_partitioning op that XLA splits like its operands; each
+  device taps its own shard, nothing is gathered, and the consumer learns the shard's place from
+  a ``("shard", ...)`` transform.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax._src import config as jax_config
+from jax._src import core, sharding_impls
+from jax._src.interpreters import mlir
+from jax._src.lib.mlir import ir
+from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
+
+from hostcallback.registry import registry
+
+ALL_DEVICES = -1  # emit_device: each device that runs the tap enqueues
+NO_LOCAL_DEVICE = -2  # emit_device: the chosen device belongs to another process
+
+
+def local_ordinal(device) -> int:
+    """The ordinal XLA gives the FFI handler for a device, or NO_LOCAL_DEVICE if it is remote."""
+    if device.process_index != jax.process_index():
+        return NO_LOCAL_DEVICE
+    return device.id
+
+
+def manual_sharding(result_ranks: list[int]):
+    """The annotation that says: run this op on every device, on its own data (shard_map).
+    Shardy wants one entry per result, with one dimension entry per dimension."""
+    from jax._src.lib import xla_client as xc
+
+    if jax_config.use_shardy_partitioner.value:
+        return sharding_impls.SdyArrayList(tuple(
+            sharding_impls.SdyArray(
+                mesh_shape=(), logical_device_ids=(),
+                dim_shardings=(sharding_impls.SdyDim(axes=(), is_open=False),) * rank)
+            for rank in result_ranks))
+    op_sharding = xc.OpSharding()
+    op_sharding.type = xc.OpSharding.Type.MANUAL
+    return op_sharding
+
+
+def check_device_index(device_index: int, num_devices: int) -> None:
+    if not 0 <= device_index < num_devices:
+        raise ValueError(
+            f"device_index={device_index} is out of range for a computation on {num_devices} "
+            f"device(s): it picks one of the computation's devices, 0 to {num_devices - 1}")
+
+
+def _plain(avals):
+    return [core.ShapedArray(a.shape, a.dtype) for a in avals]
+
+
+def lower_on_one_device(ctx, args, *, device_index, **params):
+    """The whole-value form: see the module docstring."""
+    from hostcallback.primitive import outside_call_p
+
+    devices = ctx.module_context.axis_context.device_assignment
+    mesh_devices = np.empty(len(devices), dtype=object)
+    mesh_devices[:] = list(devices)
+    axis = "_hostcallback_devices"
+    mesh = jax.sharding.Mesh(mesh_devices, (axis,))
+    emit_device = local_ordinal(devices[device_index])
+
+    def tap_on_every_device(*xs):
+        outs = outside_call_p.bind(*xs, device_index=device_index, emit_device=emit_device,
+                                   **params)
+        if params["result_avals"] is None:
+            return outs
+        return [_share_from_caller(out, axis) for out in outs]
+
+    replicated = jax.sharding.PartitionSpec()
+    region = jax.shard_map(tap_on_every_device, mesh=mesh, in_specs=replicated,
+                           out_specs=replicated, check_vma=False)
+    # The avals may carry the outer computation's sharding; inside the region they are whole.
+    region_ctx = dataclasses.replace(ctx, avals_in=_plain(ctx.avals_in),
+                                     avals_out=_plain(ctx.avals_out))
+    outs = mlir.lower_fun(region, multiple_results=True)(region_ctx, *args)
+    if region_ctx.tokens_out is not None:
+        ctx.set_tokens_out(region_ctx.tokens_out)
+    return outs
+
+
+def _share_from_caller(x, axis_name):
+    """x on the calling device, zeros on the others -> x on every device, bit for bit (a sum of
+    the bit patterns; complex numbers as two real halves)."""
+    dtype = np.dtype(x.dtype)
+    if dtype == np.bool_:
+        return jax.lax.psum(x.astype(np.uint8), axis_name).astype(np.bool_)
+    if dtype.kind == "c":
+        return jax.lax.complex(_share_from_caller(jax.lax.real(x), axis_name),
+                               _share_from_caller(jax.lax.imag(x), axis_name))
+    bits = np.dtype(f"uint{8 * dtype.itemsize}")
+    summed = jax.lax.psum(jax.lax.bitcast_convert_type(x, bits), axis_name)
+    return jax.lax.bitcast_convert_type(summed, dtype)
+
+
+def shard_transform(shardings, global_shapes, device) -> tuple:
+    """("shard", {...}) for the shards one device holds: per leaf, the block index, the global
+    offset of its first element, and the whole value's shape."""
+    index, offset = [], []
+    for sharding, shape in zip(shardings, global_shapes):
+        slices = sharding.devices_indices_map(tuple(shape))[device]
+        starts = tuple(s.indices(n)[0] for s, n in zip(slices, shape))
+        sizes = sharding.shard_shape(tuple(shape))
+        offset.append(starts)
+        index.append(tuple(start // size if size else 0 for start, size in zip(starts, sizes)))
+    return ("shard", {"index": tuple(index), "offset": tuple(offset),
+                      "global_shape": tuple(tuple(s) for s in global_shapes)})
+
+
+def lower_partitioned(ctx, args, *, consumer_id, **params):
+    """The per-shard form: see the module docstring."""
+    from hostcallback.primitive import outside_call_p
+
+    def tap_whole(*xs):  # what the op means; XLA asks partition() how to run it per shard
+        return tuple(outside_call_p.bind(*xs, consumer_id=consumer_id, **params))
+
+    def partition(mesh, arg_shapes, result_shape):
+        shardings = tuple(a.sharding for a in arg_shapes)
+        shapes = tuple(a.shape for a in arg_shapes)
+        consumer = registry.get(consumer_id)
+        per_device = tuple((d.id, shard_transform(shardings, shapes, d))
+                           for d in shardings[0].device_set)
+        shard_consumer = dataclasses.replace(consumer, per_device_transforms=per_device)
+        shard_id = registry.register(shard_consumer)
+
+        def tap_own_shard(*xs):
+            return tuple(outside_call_p.bind(*xs, consumer_id=shard_id, **params))
+
+        return mesh, tap_own_shard, shardings, shardings
+
+    op = custom_partitioning(tap_whole)
+    op.def_partition(
+        partition=partition,
+        infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: tuple(
+            a.sharding for a in arg_shapes),
+        sharding_rule=SdyShardingRule(
+            operand_mappings=tuple(tuple(f"l{leaf}d{dim}" for dim in range(a.ndim))
+                                   for leaf, a in enumerate(ctx.avals_in)),
+            result_mappings=tuple(tuple(f"l{leaf}d{dim}" for dim in range(a.ndim))
+                                  for leaf, a in enumerate(ctx.avals_in))))
+    plain_ctx = dataclasses.replace(ctx, avals_in=_plain(ctx.avals_in),
+                                    avals_out=_plain(ctx.avals_out))
+    outs = mlir.lower_fun(lambda *xs: list(op(*xs)), multiple_results=True)(plain_ctx, *args)
+    # custom_partitioning's op declares no side effect; a tap whose result is unused must stay.
+    outs[0].owner.attributes["has_side_effect"] = ir.BoolAttr.get(True)
+    return outs

@@ -23,17 +23,16 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=4").strip()
 
-import argparse  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
+import argparse
+import threading
+import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import hostcallback as hcb  # noqa: E402
+import hostcallback as hcb
 
 
 class Counter:

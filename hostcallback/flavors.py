@@ -21,7 +21,7 @@ class CallbackFlavor(enum.Enum):
     PURE = "pure"
     DEBUG = "debug"
     # The old outfeed-based flavor of host_callback: that is what hostcallback is.
-    XLA_ONLY = "io_callback"
+    XLA_ONLY = "io_callback"  # noqa: PIE796 (an alias on purpose)
 
 
 def flavor_of(value: CallbackFlavor | str | None) -> CallbackFlavor:

@@ -17,8 +17,6 @@ import dataclasses
 import weakref
 
 import jax
-import numpy as np
-from jax._src import config as jax_config
 from jax._src import core, dispatch, effects, sharding_impls
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe

@@ -81,7 +81,7 @@ def test_the_batch_axis_moves_to_the_front_for_the_host(transport):
 
 @pytest.mark.parametrize("vmap_method", ["expand_dims", "sequential"])
 def test_nested_vmap_of_call(transport, vmap_method):
-    f = lambda x: hcb.call(lambda v: np.asarray(v) + 1, x, result_shape=x,  # noqa: E731
+    f = lambda x: hcb.call(lambda v: np.asarray(v) + 1, x, result_shape=x,
                            vmap_method=vmap_method)
     x = jnp.arange(6.0).reshape(2, 3)
     np.testing.assert_array_equal(jax.jit(jax.vmap(jax.vmap(f)))(x), x + 1)

@@ -48,11 +48,16 @@ def _tap(consumer: Consumer, leaves, device_index: int, ordered: bool | None,
          flavor: CallbackFlavor, **call_params):
     if not isinstance(device_index, int) or device_index < 0:
         raise ValueError(f"device_index must be a non-negative int, got {device_index!r}")
+    ordered = config.settings.ordered if ordered is None else bool(ordered)
+    if ordered and call_params.get("partitioned"):
+        raise ValueError(
+            "partitioned=True taps cannot also be ordered=True (HOSTCALLBACK_ORDERED=1 sets it "
+            "by default): each shard's tap runs in its own per-device computation. Pass "
+            "ordered=False.")
     receivers.ensure_started()
     return primitive.bind(
         leaves, consumer_id=registry.register(consumer), transport=transport.default_transport(),
-        ordered=config.settings.ordered if ordered is None else bool(ordered),
-        device_index=device_index, flavor=flavor.value, **call_params)
+        ordered=ordered, device_index=device_index, flavor=flavor.value, **call_params)
 
 
 def _accept_tap_with_transform(kwargs: dict) -> None:

@@ -1,7 +1,8 @@
 """The ``outside_call`` primitive: a tap that hands its operands to the host and returns them.
 
 Its rules sit below its definition, top to bottom: effects, abstract eval, dead-code
-elimination, batching, jvp, lowering.
+elimination, batching (vmap_method for calls), jvp, transpose (taps on tangents), the remat split
+(replays), lowering (sharded jits in sharded_lowering.py).
 
 By default a tap declares no JAX effect: any effect sends the whole computation through JAX's
 slow Python dispatch (70 to 180 us a call on a 2-core CPU) even when the tap never fires. Such a
@@ -35,11 +36,7 @@ keep_taps.register_tap_primitive(outside_call_p)
 
 # emit_device: which local device ordinal enqueues (ALL_DEVICES: each that runs the tap).
 ALL_DEVICES = sharded_lowering.ALL_DEVICES
-
-
 PURE = "pure"  # CallbackFlavor.PURE.value: JAX may drop the callback when its result is unused
-
-
 REPLAYS = ("deliver", "mark", "skip")  # what a tap does when jax.checkpoint recomputes it
 _SKIPPED = "skipped"  # the replayed copy of a replays="skip" tap: lowers to nothing
 

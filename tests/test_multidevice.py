@@ -148,3 +148,8 @@ def test_partitioned_is_a_no_op_where_each_device_already_taps_its_own_part(tran
     hcb.barrier_wait()
     assert sorted(float(v) for v in collector.values) == [0.0, 1.0, 2.0, 3.0]
     assert all(transforms == () for _, transforms, _ in collector.calls)
+
+
+def test_partitioned_and_ordered_together_are_a_clear_error(collector):
+    with pytest.raises(ValueError, match="cannot also be ordered=True"):
+        hcb.id_tap(collector, jnp.ones(2), partitioned=True, ordered=True)

@@ -143,16 +143,15 @@ def lower_partitioned(ctx, args, *, consumer_id, **params):
 
         return mesh, tap_own_shard, shardings, shardings
 
+    # Each result is its operand: dimension d of leaf l is one factor on both sides.
+    factors = tuple(tuple(f"l{leaf}d{dim}" for dim in range(a.ndim))
+                    for leaf, a in enumerate(ctx.avals_in))
     op = custom_partitioning(tap_whole)
     op.def_partition(
         partition=partition,
         infer_sharding_from_operands=lambda mesh, arg_shapes, result_shape: tuple(
             a.sharding for a in arg_shapes),
-        sharding_rule=SdyShardingRule(
-            operand_mappings=tuple(tuple(f"l{leaf}d{dim}" for dim in range(a.ndim))
-                                   for leaf, a in enumerate(ctx.avals_in)),
-            result_mappings=tuple(tuple(f"l{leaf}d{dim}" for dim in range(a.ndim))
-                                  for leaf, a in enumerate(ctx.avals_in))))
+        sharding_rule=SdyShardingRule(operand_mappings=factors, result_mappings=factors))
     plain_ctx = dataclasses.replace(ctx, avals_in=_plain(ctx.avals_in),
                                     avals_out=_plain(ctx.avals_out))
     outs = mlir.lower_fun(lambda *xs: list(op(*xs)), multiple_results=True)(plain_ctx, *args)

@@ -16,6 +16,9 @@ from jax import lax
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
+from hostcallback.flavors import CallbackFlavor
+
+_PURE = CallbackFlavor.PURE.value  # a PURE tap may be removed with what holds it
 _tap_primitives: set = set()
 _wrapped: set = set()
 
@@ -29,7 +32,7 @@ def contains_tap(jaxpr) -> bool:
     """Whether jaxpr holds a tap that must not be removed (a PURE one may be)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # a ClosedJaxpr holds a Jaxpr
     for eqn in jaxpr.eqns:
-        if eqn.primitive in _tap_primitives and eqn.params.get("flavor") != "pure":
+        if eqn.primitive in _tap_primitives and eqn.params.get("flavor") != _PURE:
             return True
         if any(contains_tap(sub) for sub in core.jaxprs_in_params(eqn.params)):
             return True

@@ -25,7 +25,7 @@ from jax._src.lib.mlir import ir
 from jax.extend.core import Primitive
 
 from hostcallback import keep_taps, sharded_lowering
-from hostcallback.flavors import VMAP_METHODS
+from hostcallback.flavors import VMAP_METHODS, CallbackFlavor
 from hostcallback.registry import registry
 
 outside_call_p = Primitive("outside_call")
@@ -36,7 +36,7 @@ keep_taps.register_tap_primitive(outside_call_p)
 
 # emit_device: which local device ordinal enqueues (ALL_DEVICES: each that runs the tap).
 ALL_DEVICES = sharded_lowering.ALL_DEVICES
-PURE = "pure"  # CallbackFlavor.PURE.value: JAX may drop the callback when its result is unused
+PURE = CallbackFlavor.PURE.value  # JAX may drop such a callback when its result is unused
 REPLAYS = ("deliver", "mark", "skip")  # what a tap does when jax.checkpoint recomputes it
 _SKIPPED = "skipped"  # the replayed copy of a replays="skip" tap: lowers to nothing
 
@@ -217,6 +217,7 @@ def _token_chain(ctx) -> dict:
 
 def _lowering(ctx, *args, platform, **params):
     from hostcallback.transport import NATIVE_PLATFORMS, emitter_for
+    from hostcallback.transport import callback as callback_transport
 
     consumer_id, transport, ordered, emit_device, result_avals, timeout_s = (
         params[k] for k in ("consumer_id", "transport", "ordered", "emit_device", "result_avals",
@@ -237,7 +238,7 @@ def _lowering(ctx, *args, platform, **params):
         sharded_lowering.check_device_index(params["device_index"], axis_context.num_devices)
         if axis_context.num_devices > 1:
             if params["partitioned"] and not is_call and args:
-                if emitter_for(transport, platform).__name__.endswith(".callback"):
+                if emitter_for(transport, platform) is callback_transport:
                     raise NotImplementedError(
                         "partitioned=True under automatic sharding needs the native transport "
                         f"(platforms {sorted(NATIVE_PLATFORMS)}): JAX's host callbacks cannot run "

@@ -20,6 +20,7 @@ from hostcallback.receiver import (
                               ReceiverStoppedError,
                               RecordContext,
                               current_record,
+                              reset_peak_bytes_queued,
 )
 
 __version__ = "0.1.0"
@@ -38,5 +39,6 @@ __all__ = [
     "id_tap",
     "pure_callback",
     "queue_stats",
+    "reset_peak_bytes_queued",
     "stop_outfeed_receiver",
 ]

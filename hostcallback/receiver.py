@@ -2,8 +2,12 @@
 
 Threads start lazily, the first time a tap is traced. Each waits in C++ with the GIL released,
 decodes records (wire.py), and calls the registered consumer; records of one device are handled
-one at a time, in the order the device produced them. A consumer that raises is logged and
-remembered; later records still flow, and the next barrier_wait raises CallbackException.
+one at a time, in the order the device produced them. A consumer that raises anything, even
+SystemExit or KeyboardInterrupt, is logged and remembered; later records still flow, and the next
+barrier_wait raises CallbackException (a KeyboardInterrupt is passed on to the main thread
+instead). A `call` that fails is reported once, where it failed: its computation gets the error.
+A receiver must never die; if one does anyway, its queue is failed in C++ with the reason, so
+that every waiting and future tap or call on that device fails, and every barrier raises.
 
 barrier_wait sends marker computations and waits until every device's receiver has handled
 them. XLA's CPU client runs single-device computations one after another (client-wide) and
@@ -15,6 +19,7 @@ were handled, before the marker of its kind.
 
 from __future__ import annotations
 
+import _thread
 import atexit
 import dataclasses
 import itertools
@@ -37,6 +42,34 @@ logger = logging.getLogger("hostcallback")
 _DRAIN_RECORDS = 1024
 _DRAIN_BYTES = 64 << 20
 _POLL_SECONDS = 0.25
+_SUMMARY_SECONDS = 1.0  # repeated failures of one consumer are summarised at most this often
+_DRAIN_RETRY_SECONDS = 0.05
+
+QueueKey = tuple  # (platform, device id): how the C++ core names a device's queue
+
+
+def queue_key(device: Any) -> QueueKey:
+    """Queues are keyed by platform and id: ids repeat across platforms (cpu:0 and gpu:0)."""
+    return (device.platform, device.id)
+
+
+def devices_to_receive(default_devices: list, native_devices: list) -> list:
+    """One receiver per device of the default backend, plus one per device our native FFI
+    handlers can run on (CPU) when the default backend is another platform, so a CPU tap in a
+    GPU process reaches a receiver of its own instead of none (or a GPU device's)."""
+    seen, out = set(), []
+    for device in [*default_devices, *native_devices]:
+        if queue_key(device) not in seen:
+            seen.add(queue_key(device))
+            out.append(device)
+    return out
+
+
+def _native_platform_devices() -> list:
+    try:
+        return jax.local_devices(backend=outfeed.NATIVE_PLATFORM)
+    except RuntimeError:  # no CPU backend in this process
+        return []
 
 
 class CallbackException(Exception):
@@ -74,6 +107,50 @@ class _Failure:
         return f"{self.consumer_name} on {self.device}: {type(self.error).__name__}: {self.error}"
 
 
+class FailureLog:
+    """Logs consumer failures without flooding: the first failure of each consumer in full
+    (with its traceback), later ones as a count, summarised at most once a second."""
+
+    def __init__(self, log: logging.Logger, interval_s: float = _SUMMARY_SECONDS) -> None:
+        self._log, self._interval = log, interval_s
+        self._lock = threading.Lock()
+        self._seen: set[tuple] = set()
+        self._pending: dict[tuple, list] = {}  # key -> [count, last error, last summary time]
+
+    def failed(self, what: str, name: str, device: Any, error: BaseException,
+               consumer_id: int | None = None) -> None:
+        """``what`` is "tap consumer" or "call"; each (what, name, consumer_id) is one consumer."""
+        key = (what, name, consumer_id)
+        with self._lock:
+            first = key not in self._seen
+            self._seen.add(key)
+            if not first:
+                entry = self._pending.setdefault(key, [0, None, time.monotonic()])
+                entry[0] += 1
+                entry[1] = error
+                due = time.monotonic() - entry[2] >= self._interval
+        if first:
+            self._log.error("hostcallback: %s %s raised on %s (further failures of it are "
+                            "counted, not shown in full)", what, name, device, exc_info=error)
+        elif due:
+            self.flush(key)
+
+    def flush(self, only: tuple | None = None, *, force: bool = True) -> None:
+        """Logs the pending counts (of one consumer, or all); without force only those whose
+        last summary is at least the interval old."""
+        now = time.monotonic()
+        with self._lock:
+            due = [(key, entry[0], entry[1]) for key, entry in self._pending.items()
+                   if entry[0] and (only is None or key == only)
+                   and (force or now - entry[2] >= self._interval)]
+            for key, _, _ in due:
+                self._pending[key][0] = 0
+                self._pending[key][2] = now
+        for (what, name, _), count, error in due:
+            self._log.error("hostcallback: %s %s raised %d more time(s); latest: %s: %s",
+                            what, name, count, type(error).__name__, error)
+
+
 class ReceiverPool:
     """The receiver threads of this process and the bookkeeping barrier_wait needs."""
 
@@ -81,10 +158,12 @@ class ReceiverPool:
         self._consumers = consumers
         self._lock = threading.Lock()
         self._marker_seen = threading.Condition(self._lock)
-        self._threads: dict[int, threading.Thread] = {}
-        self._devices: dict[int, Any] = {}
-        self._markers: dict[int, set[int]] = {}
-        self._delivered: dict[int, int] = {}
+        self._threads: dict[QueueKey, threading.Thread] = {}
+        self._devices: dict[QueueKey, Any] = {}
+        self._markers: dict[QueueKey, set[int]] = {}
+        self._delivered: dict[QueueKey, int] = {}
+        self._dead: dict[QueueKey, str] = {}  # receivers that died anyway, and why
+        self._failure_log = FailureLog(logger)
         self._first_failure: _Failure | None = None
         self._last_failure: _Failure | None = None
         self._failure_count = 0
@@ -111,14 +190,15 @@ class ReceiverPool:
             if self._threads:
                 return
             outfeed.set_max_queue_bytes(config.settings.max_queue_bytes)
-            for device in jax.local_devices():
-                ordinal = device.id  # what XLA hands the FFI handler as the device ordinal
-                self._devices[ordinal] = device
-                self._markers[ordinal] = set()
-                self._delivered[ordinal] = 0
-                thread = threading.Thread(target=self._receive, args=(ordinal,), daemon=True,
-                                          name=f"hostcallback-receiver-{ordinal}")
-                self._threads[ordinal] = thread
+            for device in devices_to_receive(jax.local_devices(), _native_platform_devices()):
+                key = queue_key(device)  # device.id is what XLA hands the FFI handler
+                self._devices[key] = device
+                self._markers[key] = set()
+                self._delivered[key] = 0
+                thread = threading.Thread(target=self._receive, args=(key,), daemon=True,
+                                          name=f"hostcallback-receiver-{device.platform}"
+                                               f"-{device.id}")
+                self._threads[key] = thread
                 thread.start()
             atexit.register(self._at_exit)
 
@@ -127,17 +207,18 @@ class ReceiverPool:
         return bool(self._threads) and not self._stopped
 
     def stop(self, timeout: float | None = None) -> int:
-        """Delivers what is queued, then stops the threads; returns how many records were left."""
+        """Delivers what is queued, then stops the threads; returns how many records were left.
+        ``timeout`` bounds the whole stop (barrier and joins together), not each step."""
         if not self.started:
             self._stopped = self._stopped or bool(self._threads)
             return 0
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self.barrier_wait(timeout=timeout, raise_errors=False)
-        except TimeoutError as error:
+        except (TimeoutError, CallbackException) as error:
             logger.warning("hostcallback: %s", error)
         outfeed.set_closed(True)
         self._stopping.set()
-        deadline = None if timeout is None else time.monotonic() + timeout
         for thread in self._threads.values():
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._stopped = True
@@ -146,46 +227,82 @@ class ReceiverPool:
     def undelivered(self) -> int:
         """Records enqueued on this process's devices that no receiver has handled yet."""
         with self._lock:
-            return sum(outfeed.stats(o)["records_enqueued"] - self._delivered[o]
-                       for o in self._threads)
+            return sum(outfeed.stats(k[1], platform=k[0])["records_enqueued"]
+                       - self._delivered[k] for k in self._threads)
 
     def _at_exit(self) -> None:
         if not self.started:
             self._run_flush_hooks()
             return
         timeout = config.settings.exit_timeout_s
+        start = time.monotonic()
         undelivered = self.stop(timeout=timeout)
         self._run_flush_hooks()
+        self._failure_log.flush()
         if undelivered:
             logger.warning("hostcallback: %d tap records were not delivered before exit (waited "
-                           "%.1f s; set HOSTCALLBACK_EXIT_TIMEOUT to wait longer)",
-                           undelivered, timeout)
+                           "%.1f s of HOSTCALLBACK_EXIT_TIMEOUT=%g s; set it higher to wait "
+                           "longer)", undelivered, time.monotonic() - start, timeout)
         if self._failure_count:
             logger.error("hostcallback: %d tap consumer(s) raised and no barrier_wait reported it",
                          self._failure_count)
 
     # ---- the receiver threads ----
 
-    def _receive(self, ordinal: int) -> None:
-        self._local.is_receiver = True
-        device = self._devices[ordinal]
-        while True:
-            batch = outfeed.drain(ordinal, _DRAIN_RECORDS, _DRAIN_BYTES, _POLL_SECONDS)
-            for raw in batch:
-                self._deliver(ordinal, device, raw)
-            # The queues are closed before _stopping is set, so an empty batch now means done.
-            if not batch and self._stopping.is_set():
-                return
-            del batch
+    def _receive(self, key: QueueKey) -> None:
+        """The receiver thread: survives anything a consumer or drain() raises; if it dies
+        anyway, its queue is failed with the reason, so nothing waits for it forever."""
+        try:
+            self._local.is_receiver = True
+            platform, ordinal = key
+            device = self._devices[key]
+            while True:
+                try:
+                    batch = outfeed.drain(ordinal, _DRAIN_RECORDS, _DRAIN_BYTES, _POLL_SECONDS,
+                                          platform=platform)
+                except Exception as error:  # noqa: BLE001 - e.g. MemoryError: records stay queued
+                    self._record_failure("receiver", "drain()", device, error)
+                    time.sleep(_DRAIN_RETRY_SECONDS)
+                    continue
+                for raw in batch:
+                    self._deliver(key, device, raw)
+                # The queues are closed before _stopping is set, so an empty batch means done.
+                if not batch and self._stopping.is_set():
+                    return
+                del batch
+        except BaseException as error:  # noqa: BLE001 - reported through _receiver_died
+            self._receiver_died(key, error)
 
-    def _deliver(self, ordinal: int, device: Any, raw: np.ndarray) -> None:
+    def _receiver_died(self, key: QueueKey, error: BaseException) -> None:
+        reason = (f"hostcallback: the receiver for {self._devices.get(key, key)} died "
+                  f"({type(error).__name__}: {error}); its taps and calls cannot be delivered "
+                  f"in this process any more")
+        with self._lock:
+            self._dead[key] = reason
+            self._marker_seen.notify_all()
+        outfeed.fail(key[1], reason, platform=key[0])
+        logger.critical("%s", reason, exc_info=error)
+
+    def _record_failure(self, what: str, name: str, device: Any, error: BaseException,
+                        report_at_barrier: bool = True, consumer_id: int | None = None) -> None:
+        self._failure_log.failed(what, name, device, error, consumer_id)
+        if not report_at_barrier:
+            return
+        failure = _Failure(name, device, error)
+        with self._lock:
+            self._failure_count += 1
+            self._first_failure = self._first_failure or failure
+            self._last_failure = failure
+
+    def _deliver(self, key: QueueKey, device: Any, raw: np.ndarray) -> None:
+        platform, ordinal = key
         consumer_name = "<undecodable record>"
         record = None
         try:
             record = wire.decode_record(raw)
             if record.consumer_id == BARRIER_MARKER_ID:
                 with self._lock:
-                    self._markers[ordinal].add(int(record.arrays[0]))
+                    self._markers[key].add(int(record.arrays[0]))
                     self._marker_seen.notify_all()
                 return
             consumer = self._consumers.get(record.consumer_id)
@@ -196,23 +313,25 @@ class ReceiverPool:
             finally:
                 _current.record = None
             if record.expects_response:
-                outfeed.respond(ordinal, record.sequence, results.result_leaves(consumer, result))
-        except Exception as error:  # a consumer's error must never stop the receiver
-            if record is not None and record.expects_response:
+                outfeed.respond(ordinal, record.sequence, results.result_leaves(consumer, result),
+                                platform=platform)
+        except BaseException as error:  # noqa: BLE001 - nothing a consumer raises stops us
+            is_call = record is not None and record.expects_response
+            if is_call:
                 # The device is waiting: fail its call with the reason, keep the process alive.
+                # That is where the failure is reported, once: not again at the next barrier.
                 outfeed.respond_error(ordinal, record.sequence,
                                       f"hostcallback call consumer {consumer_name} failed: "
-                                      f"{type(error).__name__}: {error}")
-            logger.error("hostcallback: tap consumer %s raised on %s", consumer_name, device,
-                         exc_info=error)
-            failure = _Failure(consumer_name, device, error)
-            with self._lock:
-                self._failure_count += 1
-                self._first_failure = self._first_failure or failure
-                self._last_failure = failure
+                                      f"{type(error).__name__}: {error}", platform=platform)
+            if isinstance(error, KeyboardInterrupt):
+                _thread.interrupt_main()  # the user pressed Ctrl-C: the main thread must see it
+            self._record_failure("call" if is_call else "tap consumer", consumer_name, device,
+                                 error, report_at_barrier=not is_call
+                                 and not isinstance(error, KeyboardInterrupt),
+                                 consumer_id=None if record is None else record.consumer_id)
         finally:
             with self._lock:
-                self._delivered[ordinal] += 1
+                self._delivered[key] += 1
 
     # ---- barrier ----
 
@@ -228,8 +347,10 @@ class ReceiverPool:
                 "on the host for taps and cannot be part of a computation. Call it after the "
                 "computation, outside any transformation.")
         if self.started:
+            self._raise_if_dead()
             self._wait_for_markers(logging_name, timeout)
         self._run_flush_hooks()
+        self._failure_log.flush(force=False)
         if raise_errors:
             self._raise_failures()
 
@@ -245,10 +366,18 @@ class ReceiverPool:
             except Exception:
                 logger.exception("hostcallback: flushing %r failed", owner)
 
+    def _raise_if_dead(self) -> None:
+        with self._lock:
+            dead = dict(self._dead)
+        if dead:
+            raise CallbackException("; ".join(dead.values()))
+
     def _wait_for_markers(self, logging_name: str | None, timeout: float | None) -> None:
         with self._lock:
             marker = 2 * next(self._next_marker)
-        expected = {marker, marker + 1} if len(self._devices) > 1 else {marker}
+        grouped = self._platform_groups()
+        expected = {key: {marker, marker + 1} if len(grouped[key[0]]) > 1 else {marker}
+                    for key in self._devices}
         if logging_name:
             logger.debug("hostcallback: barrier %s (marker %d) starts", logging_name, marker)
         self._send_markers(marker)
@@ -256,13 +385,16 @@ class ReceiverPool:
         with self._lock:
             try:
                 while True:
-                    behind = [o for o in self._devices if not expected <= self._markers[o]]
+                    if self._dead:
+                        raise CallbackException("; ".join(self._dead.values()))
+                    behind = [k for k in self._devices if not expected[k] <= self._markers[k]]
                     if not behind:
                         break
                     remaining = None if deadline is None else deadline - time.monotonic()
                     if remaining is not None and remaining <= 0:
-                        pending = {str(self._devices[o]): outfeed.stats(o)["records_enqueued"]
-                                   - self._delivered[o] for o in behind}
+                        pending = {str(self._devices[k]):
+                                   outfeed.stats(k[1], platform=k[0])["records_enqueued"]
+                                   - self._delivered[k] for k in behind}
                         raise TimeoutError(
                             f"barrier_wait{f' ({logging_name})' if logging_name else ''} timed "
                             f"out after {timeout} s; records still to be handled per device: "
@@ -270,13 +402,19 @@ class ReceiverPool:
                     self._marker_seen.wait(remaining if remaining is not None else _POLL_SECONDS)
             finally:
                 for seen in self._markers.values():
-                    seen.difference_update(expected)
+                    seen.difference_update({marker, marker + 1})
         if logging_name:
             logger.debug("hostcallback: barrier %s (marker %d) done", logging_name, marker)
 
+    def _platform_groups(self) -> dict[str, list]:
+        groups: dict[str, list] = {}
+        for (platform, _), device in self._devices.items():
+            groups.setdefault(platform, []).append(device)
+        return groups
+
     def _send_markers(self, marker: int) -> None:
-        """A single-device marker (value ``marker``) to each device, and one computation over all
-        local devices that sends ``marker + 1`` from each of them."""
+        """A single-device marker (value ``marker``) to each device, and per platform with
+        several devices one computation over them all that sends ``marker + 1`` from each."""
         from hostcallback import primitive, transport
 
         if self._single_device_marker is None:
@@ -286,17 +424,19 @@ class ReceiverPool:
                 return primitive.bind([x], consumer_id=BARRIER_MARKER_ID, transport=transport_name)
 
             self._single_device_marker = jax.jit(tap_marker)
-            if len(self._devices) > 1:
-                mesh = jax.sharding.Mesh(np.array(list(self._devices.values())), ("devices",))
-                spec = jax.sharding.PartitionSpec("devices")
-                self._all_devices_marker = (jax.jit(jax.shard_map(
-                    lambda x: tap_marker(x.reshape(()))[0].reshape(1), mesh=mesh, in_specs=spec,
-                    out_specs=spec)), jax.sharding.NamedSharding(mesh, spec))
+            self._all_devices_marker = []
+            for devices in self._platform_groups().values():
+                if len(devices) > 1:
+                    mesh = jax.sharding.Mesh(np.array(devices), ("devices",))
+                    spec = jax.sharding.PartitionSpec("devices")
+                    self._all_devices_marker.append((jax.jit(jax.shard_map(
+                        lambda x: tap_marker(x.reshape(()))[0].reshape(1), mesh=mesh,
+                        in_specs=spec, out_specs=spec)), jax.sharding.NamedSharding(mesh, spec),
+                        len(devices)))
         for device in self._devices.values():
             self._single_device_marker(jax.device_put(np.uint64(marker), device))
-        if self._all_devices_marker is not None:
-            computation, sharding = self._all_devices_marker
-            markers = np.full(len(self._devices), marker + 1, dtype=np.uint64)
+        for computation, sharding, count in self._all_devices_marker:
+            markers = np.full(count, marker + 1, dtype=np.uint64)
             computation(jax.device_put(markers, sharding))
 
     def _raise_failures(self) -> None:
@@ -313,15 +453,31 @@ class ReceiverPool:
 
     # ---- statistics ----
 
+    def _known_devices(self) -> dict[QueueKey, Any]:
+        return self._devices or {queue_key(d): d for d in devices_to_receive(
+            jax.local_devices(), _native_platform_devices())}
+
     def queue_stats(self) -> dict[Any, dict[str, Any]]:
-        """Per local device: the native queue's counters plus records handled by the receiver."""
-        devices = self._devices or {d.id: d for d in jax.local_devices()}
+        """Per local device: the native queue's counters plus records handled by the receiver;
+        ``calls_waiting``/``answers_unclaimed`` count `call`s waiting for the host's answer and
+        answers not yet taken (both return to zero once the calls end)."""
         out = {}
-        for ordinal, device in devices.items():
-            stats = dict(outfeed.stats(ordinal))
-            stats["records_handled"] = self._delivered.get(ordinal, 0)
+        for (platform, ordinal), device in self._known_devices().items():
+            stats = dict(outfeed.stats(ordinal, platform=platform))
+            stats["records_handled"] = self._delivered.get((platform, ordinal), 0)
             out[device] = stats
         return out
 
+    def reset_peak_bytes_queued(self) -> None:
+        """Starts every device's ``peak_bytes_queued`` again from what is queued now."""
+        for platform, ordinal in self._known_devices():
+            outfeed.reset_peak_bytes_queued(ordinal, platform=platform)
+
 
 receivers = ReceiverPool(registry)
+
+
+def reset_peak_bytes_queued() -> None:
+    """Starts every local device's ``peak_bytes_queued`` (see queue_stats()) again from what is
+    queued now, so that a check of the peak covers only what runs after it."""
+    receivers.reset_peak_bytes_queued()

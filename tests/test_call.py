@@ -96,9 +96,7 @@ def test_a_raising_callback_fails_the_computation_clearly_and_the_process_goes_o
 
     with pytest.raises(Exception, match="call consumer broken failed: ValueError: no answer today"):
         jax.jit(lambda x: hcb.call(broken, x, result_shape=x))(1.0).block_until_ready()
-    with pytest.raises(hcb.CallbackException, match="no answer today") as info:
-        hcb.barrier_wait()
-    assert isinstance(info.value.__cause__, ValueError)
+    hcb.barrier_wait()  # reported once, where it failed: not again at the barrier
     ok = jax.jit(lambda x: hcb.call(lambda v: np.asarray(v) + 1, x, result_shape=x))(1.0)
     assert ok == 2.0  # later calls keep working
 
@@ -113,8 +111,7 @@ def test_a_raising_callback_fails_the_computation_clearly_and_the_process_goes_o
 def test_a_wrong_answer_is_a_clear_error_naming_the_mismatch(transport, answer, message):
     with pytest.raises(Exception, match=message):
         jax.jit(lambda x: hcb.call(answer, x, result_shape=x))(jnp.zeros(3)).block_until_ready()
-    with pytest.raises(hcb.CallbackException):
-        hcb.barrier_wait()
+    hcb.barrier_wait()  # the computation's error was the report
 
 
 def test_a_call_that_takes_too_long_fails_after_its_timeout(transport):

@@ -94,8 +94,7 @@ def test_a_host_that_ignores_the_batch_gets_a_clear_error(transport):
     with pytest.raises(Exception, match=r"float32\[\] for result leaf 0; its result_shape says "
                                         r"float32\[3\]"):
         jax.block_until_ready(jax.jit(f)(jnp.ones(3)))
-    with pytest.raises(hcb.CallbackException):
-        hcb.barrier_wait()
+    hcb.barrier_wait()  # the computation's error was the report
 
 
 def test_pure_callback_under_vmap_matches_jax_pure_callback(transport):

@@ -117,15 +117,14 @@ def test_pure_callback_runs_per_device_under_shard_map(transport):
     assert sorted(s.tolist() for s in shards) == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0], [6.0, 7.0]]
 
 
-def test_a_failing_pure_callback_names_itself_and_reaches_barrier_wait(transport):
+def test_a_failing_pure_callback_names_itself_once_where_it_failed(transport):
     def broken(x):
         raise ArithmeticError("no")
 
     f = jax.jit(lambda x: hcb.pure_callback(broken, jax.ShapeDtypeStruct((), jnp.float32), x))
     with pytest.raises(Exception, match="broken failed: ArithmeticError: no"):
         jax.block_until_ready(f(jnp.float32(1)))
-    with pytest.raises(hcb.CallbackException):
-        hcb.barrier_wait()
+    hcb.barrier_wait()  # reported once, where it failed
 
 
 def test_pure_callback_refuses_a_sharding_over_several_devices():

@@ -4,12 +4,20 @@
 // (header + payload, layout in docs/wire-format.md and hostcallback/wire.py) and appends it
 // to that device's queue. It never runs Python and never takes the GIL. The receiver threads
 // in Python call drain(), which waits here with the GIL released and hands each record out
-// as a numpy uint8 array that owns the record's memory, so payloads become arrays without
-// another copy. Every decision that is not about copying bytes lives in Python.
+// as a read-only numpy uint8 array that owns the record's memory, so payloads become arrays
+// without another copy. Every decision that is not about copying bytes lives in Python.
+//
+// Rules this file keeps (docs/reliability.md):
+// - No C++ exception crosses the FFI boundary or the nanobind boundary unhandled; a record is
+//   never lost or leaked on the way out of drain().
+// - Global state is allocated once and never destroyed: XLA's device threads may still run
+//   while the interpreter exits, after static destructors would have run.
+// - Queues are keyed by (platform, device id): ids repeat across platforms.
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
@@ -19,7 +27,7 @@
 #include <mutex>
 #include <string>
 #include <map>
-#include <set>
+#include <stdexcept>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -60,14 +68,18 @@ void Put(uint8_t* at, T value) {
   std::memcpy(at, &value, sizeof(T));
 }
 
-// A record's bytes, 64-byte aligned; handed back with ReleaseRecord by whoever holds it last.
+// A record's bytes, 64-byte aligned. Its size lives here, outside the bytes, so that nothing
+// written into a record can change how much memory is returned (or reused) for it.
 struct Record {
   uint8_t* data = nullptr;
   size_t size = 0;
 };
 
+std::atomic<uint64_t> g_max_queue_bytes{256ull << 20};
+
 // Recycles large record buffers. A fresh multi-megabyte allocation is a new mapping whose pages
 // fault in on first touch, which costs more than the copy itself; taps in a loop reuse one size.
+// It holds at most min(64 MiB, the queue budget): the pool is part of the memory bound.
 class BufferPool {
  public:
   static constexpr size_t kMinPooledBytes = 64 << 10;
@@ -88,16 +100,25 @@ class BufferPool {
     return static_cast<uint8_t*>(std::aligned_alloc(kAlignment, size));
   }
 
-  void Put(uint8_t* data, size_t size) {
+  void Put(uint8_t* data, size_t size) noexcept {
     if (size >= kMinPooledBytes) {
       std::lock_guard<std::mutex> lock(mu_);
-      if (pooled_bytes_ + size <= kMaxPooledBytes) {
-        free_.emplace_back(data, size);
+      const uint64_t cap =
+          std::min<uint64_t>(kMaxPooledBytes, g_max_queue_bytes.load(std::memory_order_relaxed));
+      if (pooled_bytes_ + size <= cap && free_.size() < free_.capacity()) {
+        free_.emplace_back(data, size);  // never reallocates: capacity reserved below
         pooled_bytes_ += size;
         return;
       }
     }
     std::free(data);
+  }
+
+  BufferPool() { free_.reserve(kMaxPooledBytes / kMinPooledBytes); }
+
+  uint64_t PooledBytes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return pooled_bytes_;
   }
 
  private:
@@ -106,17 +127,15 @@ class BufferPool {
   size_t pooled_bytes_ = 0;
 };
 
-BufferPool g_pool;
+// Never destroyed (see the rules at the top).
+BufferPool& g_pool = *new BufferPool();
 
-// Returns a record's buffer; its size is in its own header.
-void ReleaseRecord(uint8_t* data) {
-  uint64_t size;
-  std::memcpy(&size, data + kRecordSizeOffset, sizeof(size));
-  g_pool.Put(data, size);
-}
+void ReleaseRecord(const Record& record) noexcept { g_pool.Put(record.data, record.size); }
 
 constexpr uint16_t kFlagExpectsResponse = 1;  // a `call`: the device waits for the host's answer
 
+// Builds the record; every byte that is not a field or an array element is zero (padding
+// included), so a recycled buffer never carries an earlier record's bytes. Throws bad_alloc.
 Record EncodeRecord(uint64_t consumer_id, uint32_t device, const std::vector<ArrayView>& arrays,
                     uint16_t flags = 0) {
   size_t header = kFixedHeaderBytes;
@@ -128,7 +147,7 @@ Record EncodeRecord(uint64_t consumer_id, uint32_t device, const std::vector<Arr
 
   Record r;
   r.data = g_pool.Get(size);
-  if (r.data == nullptr) return r;
+  if (r.data == nullptr) throw std::bad_alloc();
   r.size = size;
   std::memset(r.data, 0, header);
   Put<uint32_t>(r.data + 0, kMagic);
@@ -149,7 +168,9 @@ Record EncodeRecord(uint64_t consumer_id, uint32_t device, const std::vector<Arr
     Put<uint64_t>(at + 8, a.byte_size);
     for (size_t i = 0; i < a.dims.size(); ++i) Put<int64_t>(at + 16 + 8 * i, a.dims[i]);
     at += kDescriptorBytes + 8 * a.dims.size();
-    offset = AlignUp(offset);
+    const size_t aligned = AlignUp(offset);
+    if (aligned > offset) std::memset(r.data + offset, 0, aligned - offset);
+    offset = aligned;
     if (a.byte_size > 0) std::memcpy(r.data + offset, a.data, a.byte_size);
     offset += a.byte_size;
   }
@@ -157,55 +178,188 @@ Record EncodeRecord(uint64_t consumer_id, uint32_t device, const std::vector<Arr
   return r;
 }
 
-// ---- the queues ---------------------------------------------------------------------------
+// ---- timeouts ---------------------------------------------------------------------------------
 
-std::atomic<uint64_t> g_max_queue_bytes{256ull << 20};
+// Waits longer than this (about 31 years) mean "forever": a std::chrono duration of a huge or
+// infinite double overflows and would end the wait at once.
+constexpr double kForeverSeconds = 1e9;
+
+// timeout_s <= 0 (no timeout given), infinity and anything above kForeverSeconds wait forever.
+bool WaitsForever(double timeout_s) { return timeout_s <= 0 || timeout_s >= kForeverSeconds; }
+
+// Why a timeout from Python is refused, or the empty string.
+std::string CheckTimeout(double timeout_s) {
+  if (std::isnan(timeout_s)) return "timeout must be a number of seconds, not NaN";
+  if (timeout_s < 0) return "timeout must not be negative (0 or infinity: wait forever)";
+  return "";
+}
+
+// ---- the queues ---------------------------------------------------------------------------
 
 struct QueueStats {
   uint64_t records_enqueued = 0, bytes_enqueued = 0;
   uint64_t records_delivered = 0, bytes_delivered = 0;
   uint64_t bytes_queued = 0, peak_bytes_queued = 0;
   uint64_t waits = 0, wait_ns = 0;
+  uint64_t producers_waiting = 0;
 };
 
+class DeviceQueue;
+
+// Where the receiver leaves the host's answer to a `call` record, keyed by (queue, sequence),
+// and where the device thread that sent the record waits for it. An entry exists exactly while
+// its call waits: it is made before the record can be drained and erased when the wait ends,
+// however it ends, so answers that come too late are dropped and the table returns to empty.
+struct Response {
+  std::string error;  // empty: success
+  std::vector<std::vector<uint8_t>> results;
+};
+
+class Responses {
+ public:
+  using Key = std::pair<const DeviceQueue*, uint64_t>;
+
+  // Called under the queue's lock, before the call record is visible to any receiver.
+  void Expect(Key key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    table_[key];
+  }
+
+  // Stores the answer if its call still waits; drops it otherwise (timed out, stopped).
+  void Set(Key key, Response response) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto found = table_.find(key);
+      if (found == table_.end() || found->second.answered) return;
+      found->second.answered = true;
+      found->second.response = std::move(response);
+    }
+    cv_.notify_all();
+  }
+
+  // Why no answer came (stopped, timed out), or the empty string with *out set.
+  std::string Wait(Key key, double timeout_s, Response* out) {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto entry = table_.find(key);  // map iterators stay valid while others come and go
+    if (entry == table_.end()) return kStoppedMessage;
+    auto answered = [&] {
+      return closed_ || entry->second.answered || failed_.count(key.first) > 0;
+    };
+    if (WaitsForever(timeout_s)) {
+      cv_.wait(lock, answered);
+    } else {
+      cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), answered);
+    }
+    const bool got = entry->second.answered;
+    if (got) *out = std::move(entry->second.response);
+    table_.erase(entry);
+    if (got) return "";
+    if (auto failed = failed_.find(key.first); failed != failed_.end()) return failed->second;
+    if (closed_) return kStoppedMessage;
+    return "hostcallback: the host did not answer this call within its timeout of " +
+           std::to_string(timeout_s) + " s";
+  }
+
+  // (calls waiting for an answer, answers not yet taken by their call) for one queue.
+  std::pair<uint64_t, uint64_t> Counts(const DeviceQueue* queue) {
+    std::lock_guard<std::mutex> lock(mu_);
+    uint64_t waiting = 0, unclaimed = 0;
+    for (const auto& [key, entry] : table_) {
+      if (key.first != queue) continue;
+      (entry.answered ? unclaimed : waiting) += 1;
+    }
+    return {waiting, unclaimed};
+  }
+
+  void SetClosed(bool closed) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_ = closed;
+    }
+    cv_.notify_all();
+  }
+
+  // Every waiting and future call on this queue fails with the reason (its receiver died).
+  void Fail(const DeviceQueue* queue, const std::string& reason) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      failed_[queue] = reason;
+    }
+    cv_.notify_all();
+  }
+
+  static constexpr char kStoppedMessage[] =
+      "hostcallback: the outfeed receiver was stopped (stop_outfeed_receiver()); "
+      "taps cannot be delivered in this process any more";
+
+ private:
+  struct Entry {
+    bool answered = false;
+    Response response;
+  };
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<Key, Entry> table_;
+  std::map<const DeviceQueue*, std::string> failed_;
+  bool closed_ = false;
+};
+
+Responses& g_responses = *new Responses();
+
 // One device's outfeed: a FIFO of records under a byte budget. Producers (device threads)
-// wait while the budget is spent; a record larger than the whole budget waits for an empty
-// queue and then goes in alone, so nothing is ever refused for its size or dropped.
+// wait while the budget is spent and are admitted in arrival order, so a record larger than
+// the whole budget, which waits for an empty queue and then goes in alone, is not overtaken by
+// steady small traffic. Nothing is ever refused for its size or dropped.
 class DeviceQueue {
  public:
   // Returns the record's sequence number, or -1 when the queue was closed (receiver stopped).
-  int64_t Push(Record record) {
+  // A `call` record registers for its answer before any receiver can see it.
+  int64_t Push(Record record, bool expects_response) {
     std::unique_lock<std::mutex> lock(mu_);
-    if (!closed_ && !Fits(record.size)) {
+    const uint64_t ticket = next_ticket_++;
+    auto admitted = [&] { return closed_ || (ticket <= admitted_ && Fits(record.size)); };
+    if (!admitted()) {
       auto start = std::chrono::steady_clock::now();
-      not_full_.wait(lock, [&] { return closed_ || Fits(record.size); });
+      stats_.producers_waiting += 1;
+      not_full_.wait(lock, admitted);
+      stats_.producers_waiting -= 1;
       stats_.waits += 1;
       stats_.wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                             std::chrono::steady_clock::now() - start)
                             .count();
     }
     if (closed_) return -1;
+    admitted_ = std::max(admitted_, ticket + 1);
     const uint64_t sequence = next_sequence_++;
+    if (expects_response) g_responses.Expect({this, sequence});
     Put<uint64_t>(record.data + kSequenceOffset, sequence);
     records_.push_back(record);
     stats_.records_enqueued += 1;
     stats_.bytes_enqueued += record.size;
     stats_.bytes_queued += record.size;
     stats_.peak_bytes_queued = std::max(stats_.peak_bytes_queued, stats_.bytes_queued);
+    const bool others_wait = stats_.producers_waiting > 0;
     lock.unlock();
     not_empty_.notify_one();
+    if (others_wait) not_full_.notify_all();  // the next in line may fit now
     return static_cast<int64_t>(sequence);
   }
 
   // Waits up to timeout_s for a record, then takes records up to the given limits (at least
-  // one when any is queued). A closed queue still hands out what it holds.
+  // one when any is queued). A closed queue still hands out what it holds. Never loses a
+  // record: the output is reserved before any record leaves the queue.
   std::vector<Record> Pop(size_t max_records, size_t max_bytes, double timeout_s) {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (records_.empty() && !closed_ && timeout_s > 0) {
-      not_empty_.wait_for(lock, std::chrono::duration<double>(timeout_s),
-                          [&] { return closed_ || !records_.empty(); });
-    }
     std::vector<Record> out;
+    std::unique_lock<std::mutex> lock(mu_);
+    if (records_.empty() && !closed_) {
+      auto ready = [&] { return closed_ || !records_.empty(); };
+      if (WaitsForever(timeout_s)) {
+        not_empty_.wait(lock, ready);
+      } else {
+        not_empty_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready);
+      }
+    }
+    out.reserve(std::min(max_records, records_.size()));
     size_t bytes = 0;
     while (!records_.empty() && out.size() < max_records && (out.empty() || bytes < max_bytes)) {
       out.push_back(records_.front());
@@ -223,10 +377,29 @@ class DeviceQueue {
   void SetClosed(bool closed) {
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (!failure_.empty()) return;  // a failed queue stays closed
+      if (closed_ && !closed) admitted_ = next_ticket_;
       closed_ = closed;
     }
     not_full_.notify_all();
     not_empty_.notify_all();
+  }
+
+  // Closes this queue for good: producers, waiting or future, fail with the reason.
+  void Fail(const std::string& reason) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      failure_ = reason;
+      closed_ = true;
+    }
+    not_full_.notify_all();
+    not_empty_.notify_all();
+  }
+
+  // Why this queue refuses records: its failure, or that the receivers were stopped.
+  std::string ClosedReason() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return failure_.empty() ? std::string(Responses::kStoppedMessage) : failure_;
   }
 
   // Wakes producers waiting for room, so that a larger budget takes effect at once.
@@ -235,6 +408,11 @@ class DeviceQueue {
   QueueStats Stats() {
     std::lock_guard<std::mutex> lock(mu_);
     return stats_;
+  }
+
+  void ResetPeak() {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.peak_bytes_queued = stats_.bytes_queued;
   }
 
  private:
@@ -247,141 +425,81 @@ class DeviceQueue {
   std::condition_variable not_empty_, not_full_;
   std::deque<Record> records_;
   uint64_t next_sequence_ = 0;
+  uint64_t next_ticket_ = 0, admitted_ = 0;
   bool closed_ = false;
+  std::string failure_;
   QueueStats stats_;
 };
 
-// Keyed by the ordinal XLA hands the handler: the device's global id (2048 and up on the
-// second process of a multi-process CPU run), so a map rather than a table.
-std::unordered_map<int, DeviceQueue*> g_queues;
-std::mutex g_queues_mu;
-bool g_closed = false;
+// Keyed by (platform, the ordinal XLA hands the handler): the device's global id, 2048 and up
+// on the second process of a multi-process CPU run, and the same small numbers on every
+// platform. Queues are never freed: device threads may hold them.
+using QueueKey = std::pair<std::string, int>;
+struct QueueTable {
+  std::mutex mu;
+  std::map<QueueKey, DeviceQueue*> queues;
+  bool closed = false;
+};
+QueueTable& g_queues = *new QueueTable();
 
-DeviceQueue* QueueFor(int device) {
-  if (device < 0) return nullptr;
-  // Each device thread taps one device; queues are never freed, so the last lookup stays valid
-  // and the hot path takes no lock.
+constexpr char kNativePlatform[] = "cpu";  // where our FFI handlers are registered
+
+DeviceQueue* LookUpQueue(const std::string& platform, int device) {
+  std::lock_guard<std::mutex> lock(g_queues.mu);
+  DeviceQueue*& q = g_queues.queues[{platform, device}];
+  if (q == nullptr) {
+    q = new DeviceQueue();
+    if (g_queues.closed) q->SetClosed(true);
+  }
+  return q;
+}
+
+// The native handlers' lookup: each device thread taps one device, so the last lookup is
+// cached and the hot path takes no lock.
+DeviceQueue* NativeQueueFor(int device) {
   thread_local int cached_device = -1;
   thread_local DeviceQueue* cached_queue = nullptr;
   if (device == cached_device) return cached_queue;
-  std::lock_guard<std::mutex> lock(g_queues_mu);
-  DeviceQueue*& q = g_queues[device];
-  if (q == nullptr) {
-    q = new DeviceQueue();  // lives as long as the process: device threads may hold it
-    if (g_closed) q->SetClosed(true);
-  }
+  DeviceQueue* q = LookUpQueue(kNativePlatform, device);
   cached_device = device;
   cached_queue = q;
   return q;
 }
 
-constexpr char kStoppedMessage[] =
-    "hostcallback: the outfeed receiver was stopped (stop_outfeed_receiver()); "
-    "taps cannot be delivered in this process any more";
-
 // Why a record could not be enqueued, or the empty string when it was (then *sequence is set).
-std::string Enqueue(int device, uint64_t consumer_id, const std::vector<ArrayView>& arrays,
-                    uint16_t flags = 0, uint64_t* sequence = nullptr) {
-  DeviceQueue* queue = QueueFor(device);
-  if (queue == nullptr) return "hostcallback: negative device ordinal " + std::to_string(device);
+// Throws bad_alloc when the record cannot be allocated.
+std::string Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id,
+                    const std::vector<ArrayView>& arrays, uint16_t flags = 0,
+                    uint64_t* sequence = nullptr) {
   Record record = EncodeRecord(consumer_id, static_cast<uint32_t>(device), arrays, flags);
-  if (record.data == nullptr) return "hostcallback: out of host memory for a tap record";
-  const int64_t pushed = queue->Push(record);
-  if (sequence != nullptr && pushed >= 0) *sequence = static_cast<uint64_t>(pushed);
+  const int64_t pushed = queue->Push(record, (flags & kFlagExpectsResponse) != 0);
   if (pushed < 0) {
-    ReleaseRecord(record.data);
-    return kStoppedMessage;
+    ReleaseRecord(record);
+    return queue->ClosedReason();
   }
+  if (sequence != nullptr) *sequence = static_cast<uint64_t>(pushed);
   return "";
 }
 
-// ---- responses to `call` records ------------------------------------------------------------
-
-struct Response {
-  std::string error;  // empty: success
-  std::vector<std::vector<uint8_t>> results;
-};
-
-// Where the receiver leaves the host's answer to a `call` record, keyed by (device, sequence),
-// and where the device thread that sent the record waits for it.
-class Responses {
- public:
-  void Set(int device, uint64_t sequence, Response response) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      ready_[{device, sequence}] = std::move(response);
-    }
-    cv_.notify_all();
-  }
-
-  // Why no answer came (stopped, timed out), or the empty string with *out set.
-  std::string Wait(int device, uint64_t sequence, double timeout_s, Response* out) {
-    std::unique_lock<std::mutex> lock(mu_);
-    auto key = std::make_pair(device, sequence);
-    auto answered = [&] { return closed_ || ready_.count(key) > 0; };
-    if (timeout_s > 0) {
-      if (!cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), answered)) {
-        abandoned_.insert(key);
-        return "hostcallback: the host did not answer this call within its timeout of " +
-               std::to_string(timeout_s) + " s";
-      }
-    } else {
-      cv_.wait(lock, answered);
-    }
-    auto found = ready_.find(key);
-    if (found == ready_.end()) return kStoppedMessage;
-    *out = std::move(found->second);
-    ready_.erase(found);
-    return "";
-  }
-
-  // An answer nobody waits for any more (its call timed out) is dropped when it comes.
-  bool Abandoned(int device, uint64_t sequence) {
-    std::lock_guard<std::mutex> lock(mu_);
-    return abandoned_.erase({device, sequence}) > 0;
-  }
-
-  void SetClosed(bool closed) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      closed_ = closed;
-    }
-    cv_.notify_all();
-  }
-
- private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::map<std::pair<int, uint64_t>, Response> ready_;
-  std::set<std::pair<int, uint64_t>> abandoned_;
-  bool closed_ = false;
-};
-
-Responses g_responses;
-
 // Sends a call record and waits for the answer; fills *response or says why it could not.
-std::string CallHost(int device, uint64_t consumer_id, const std::vector<ArrayView>& arrays,
-                     double timeout_s, Response* response) {
+std::string CallHost(DeviceQueue* queue, int device, uint64_t consumer_id,
+                     const std::vector<ArrayView>& arrays, double timeout_s, Response* response) {
   uint64_t sequence = 0;
-  std::string problem = Enqueue(device, consumer_id, arrays, kFlagExpectsResponse, &sequence);
+  std::string problem = Enqueue(queue, device, consumer_id, arrays, kFlagExpectsResponse, &sequence);
   if (!problem.empty()) return problem;
-  return g_responses.Wait(device, sequence, timeout_s, response);
+  return g_responses.Wait({queue, sequence}, timeout_s, response);
 }
 
 // ---- the FFI handlers ------------------------------------------------------------------------
 
-// The arrays to send: every operand but the ordering token and the first skip_args others.
-ffi::Error CollectArrays(ffi::RemainingArgs& args, int64_t skip_args, std::vector<ArrayView>* out) {
+// The arrays to send: every operand but the ordering token.
+ffi::Error CollectArrays(ffi::RemainingArgs& args, std::vector<ArrayView>* out) {
   out->reserve(args.size());
   for (size_t i = 0; i < args.size(); ++i) {
     ffi::ErrorOr<ffi::AnyBuffer> arg = args.get<ffi::AnyBuffer>(i);
     if (!arg.has_value()) return arg.error();
     ffi::AnyBuffer buffer = arg.value();
     if (buffer.element_type() == ffi::DataType::TOKEN) continue;
-    if (skip_args > 0) {
-      --skip_args;
-      continue;
-    }
     auto dims = buffer.dimensions();
     out->push_back(ArrayView{static_cast<uint8_t>(buffer.element_type()),
                              std::vector<int64_t>(dims.begin(), dims.end()),
@@ -390,58 +508,91 @@ ffi::Error CollectArrays(ffi::RemainingArgs& args, int64_t skip_args, std::vecto
   return ffi::Error::Success();
 }
 
+// Every handler's body runs inside this: a C++ exception (bad_alloc for a record larger than
+// memory) becomes an FFI error that fails the computation with the reason, never a crash.
+template <typename Body>
+ffi::Error Guarded(Body body) noexcept {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return ffi::Error::Internal("hostcallback: out of host memory for a tap record");
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("hostcallback: ") + e.what());
+  } catch (...) {
+    return ffi::Error::Internal("hostcallback: unknown C++ exception in the tap handler");
+  }
+}
+
 // emit_device >= 0: only that device enqueues (a whole-value tap lowered on every device).
 ffi::Error TapImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_device,
                    ffi::RemainingArgs args, ffi::RemainingRets rets) {
   (void)rets;  // only the ordering token, which carries no data
-  if (emit_device != -1 && emit_device != device_ordinal) return ffi::Error::Success();
-  std::vector<ArrayView> arrays;
-  if (ffi::Error error = CollectArrays(args, 0, &arrays); error.failure()) return error;
-  std::string problem = Enqueue(device_ordinal, consumer_id, arrays);
-  if (!problem.empty()) return ffi::Error::Internal(problem);
-  return ffi::Error::Success();
+  return Guarded([&]() -> ffi::Error {
+    if (emit_device != -1 && emit_device != device_ordinal) return ffi::Error::Success();
+    if (device_ordinal < 0) {
+      return ffi::Error::Internal("hostcallback: negative device ordinal " +
+                                  std::to_string(device_ordinal));
+    }
+    std::vector<ArrayView> arrays;
+    if (ffi::Error error = CollectArrays(args, &arrays); error.failure()) return error;
+    std::string problem =
+        Enqueue(NativeQueueFor(device_ordinal), device_ordinal, consumer_id, arrays);
+    if (!problem.empty()) return ffi::Error::Internal(problem);
+    return ffi::Error::Success();
+  });
 }
-
-}  // namespace
 
 // A `call`: send the arrays, wait for the host's results, copy them into the outputs.
 // emit_device >= 0: only that device calls; the others return zeros (the lowering then takes the
 // calling device's results to every device).
 ffi::Error CallImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_device,
                     double timeout_s, ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  if (emit_device != -1 && emit_device != device_ordinal) {
+  return Guarded([&]() -> ffi::Error {
+    if (emit_device != -1 && emit_device != device_ordinal) {
+      for (size_t i = 0; i < rets.size(); ++i) {
+        ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
+        if (!ret.has_value()) return ret.error();
+        ffi::AnyBuffer out = *ret.value();
+        if (out.element_type() != ffi::DataType::TOKEN && out.size_bytes() > 0) {
+          std::memset(out.untyped_data(), 0, out.size_bytes());
+        }
+      }
+      return ffi::Error::Success();
+    }
+    if (device_ordinal < 0) {
+      return ffi::Error::Internal("hostcallback: negative device ordinal " +
+                                  std::to_string(device_ordinal));
+    }
+    if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) {
+      return ffi::Error::InvalidArgument("hostcallback: " + bad);
+    }
+    std::vector<ArrayView> arrays;
+    if (ffi::Error error = CollectArrays(args, &arrays); error.failure()) return error;
+    Response response;
+    std::string problem = CallHost(NativeQueueFor(device_ordinal), device_ordinal, consumer_id,
+                                   arrays, timeout_s, &response);
+    if (problem.empty()) problem = response.error;
+    if (!problem.empty()) return ffi::Error::Internal(problem);
+    size_t next = 0;
     for (size_t i = 0; i < rets.size(); ++i) {
       ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
       if (!ret.has_value()) return ret.error();
       ffi::AnyBuffer out = *ret.value();
-      if (out.element_type() != ffi::DataType::TOKEN && out.size_bytes() > 0) {
-        std::memset(out.untyped_data(), 0, out.size_bytes());
+      if (out.element_type() == ffi::DataType::TOKEN) continue;
+      if (next >= response.results.size() || response.results[next].size() != out.size_bytes()) {
+        return ffi::Error::Internal("hostcallback: the host's answer does not match the call's "
+                                    "result shapes");
       }
+      if (out.size_bytes() > 0) {
+        std::memcpy(out.untyped_data(), response.results[next].data(), out.size_bytes());
+      }
+      ++next;
     }
     return ffi::Error::Success();
-  }
-  std::vector<ArrayView> arrays;
-  if (ffi::Error error = CollectArrays(args, 0, &arrays); error.failure()) return error;
-  Response response;
-  std::string problem = CallHost(device_ordinal, consumer_id, arrays, timeout_s, &response);
-  if (problem.empty()) problem = response.error;
-  if (!problem.empty()) return ffi::Error::Internal(problem);
-  size_t next = 0;
-  for (size_t i = 0; i < rets.size(); ++i) {
-    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
-    if (!ret.has_value()) return ret.error();
-    ffi::AnyBuffer out = *ret.value();
-    if (out.element_type() == ffi::DataType::TOKEN) continue;
-    if (next >= response.results.size() || response.results[next].size() != out.size_bytes()) {
-      return ffi::Error::Internal("hostcallback: the host's answer does not match the call's "
-                                  "result shapes");
-    }
-    if (out.size_bytes() > 0) std::memcpy(out.untyped_data(), response.results[next].data(),
-                                          out.size_bytes());
-    ++next;
-  }
-  return ffi::Error::Success();
+  });
 }
+
+}  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackCall, CallImpl,
                               ffi::Ffi::Bind()
@@ -464,29 +615,49 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackTap, TapImpl,
 
 namespace {
 
-using ByteArray = nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>;
+// Read-only: a consumer writing through a record's memory must not reach the pool.
+using RecordArray = nb::ndarray<nb::numpy, const uint8_t, nb::ndim<1>>;
 using ReadOnlyBytes = nb::ndarray<const uint8_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
-DeviceQueue& CheckedQueue(int device) {
-  DeviceQueue* queue = QueueFor(device);
-  if (queue == nullptr) throw nb::value_error("device ordinal must not be negative");
-  return *queue;
+DeviceQueue* CheckedQueue(const std::string& platform, int device) {
+  if (device < 0) throw nb::value_error("device ordinal must not be negative");
+  if (platform.empty()) throw nb::value_error("platform must name a JAX platform, e.g. 'cpu'");
+  return LookUpQueue(platform, device);
 }
 
-nb::list Drain(int device, size_t max_records, size_t max_bytes, double timeout_s) {
-  DeviceQueue& queue = CheckedQueue(device);
+// Hands each record out as a read-only array owning it. Exception-safe: a record is owned by
+// its capsule once wrapped; if wrapping one fails, it and every later record go back to the
+// pool before the error propagates, so nothing leaks and the caller sees the error.
+nb::list Drain(int device, size_t max_records, size_t max_bytes, double timeout_s,
+               const std::string& platform) {
+  if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) throw nb::value_error(bad.c_str());
+  DeviceQueue* queue = CheckedQueue(platform, device);
+  // A batch in Python counts toward the memory bound: never more than one budget of bytes.
+  max_bytes = std::min<uint64_t>(max_bytes, g_max_queue_bytes.load());
   std::vector<Record> records;
   {
     nb::gil_scoped_release release;
-    records = queue.Pop(max_records, max_bytes, timeout_s);
+    records = queue->Pop(max_records, max_bytes, timeout_s);
   }
-  nb::list out;
-  for (Record& r : records) {
-    nb::capsule owner(r.data, [](void* p) noexcept { ReleaseRecord(static_cast<uint8_t*>(p)); });
-    size_t shape[1] = {r.size};
-    out.append(ByteArray(r.data, 1, shape, owner));
+  size_t next = 0;
+  try {
+    nb::list out;
+    for (; next < records.size(); ++next) {
+      std::unique_ptr<Record> owned(new Record(records[next]));
+      nb::capsule owner(owned.get(), [](void* p) noexcept {
+        Record* record = static_cast<Record*>(p);
+        ReleaseRecord(*record);
+        delete record;
+      });
+      Record* record = owned.release();
+      size_t shape[1] = {record->size};
+      out.append(RecordArray(record->data, 1, shape, owner));
+    }
+    return out;
+  } catch (...) {
+    for (; next < records.size(); ++next) ReleaseRecord(records[next]);
+    throw;
   }
-  return out;
 }
 
 // The callback transport's way in: the same record, built from host arrays.
@@ -500,25 +671,29 @@ std::vector<ArrayView> ViewsOf(const HostLeaves& leaves) {
   return arrays;
 }
 
-void EnqueueFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves) {
+void EnqueueFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves,
+                     const std::string& platform) {
+  DeviceQueue* queue = CheckedQueue(platform, device);
   std::vector<ArrayView> arrays = ViewsOf(leaves);
   std::string problem;
   {
     nb::gil_scoped_release release;
-    problem = Enqueue(device, consumer_id, arrays);
+    problem = Enqueue(queue, device, consumer_id, arrays);
   }
   if (!problem.empty()) throw std::runtime_error(problem);
 }
 
 // The callback transport's `call`: the same record and wait, from the device's Python callback.
 nb::list CallFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves,
-                      double timeout_s) {
+                      double timeout_s, const std::string& platform) {
+  if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) throw nb::value_error(bad.c_str());
+  DeviceQueue* queue = CheckedQueue(platform, device);
   std::vector<ArrayView> arrays = ViewsOf(leaves);
   Response response;
   std::string problem;
   {
     nb::gil_scoped_release release;
-    problem = CallHost(device, consumer_id, arrays, timeout_s, &response);
+    problem = CallHost(queue, device, consumer_id, arrays, timeout_s, &response);
   }
   if (problem.empty()) problem = response.error;
   if (!problem.empty()) throw std::runtime_error(problem);
@@ -529,22 +704,28 @@ nb::list CallFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves
   return out;
 }
 
-void Respond(int device, uint64_t sequence, const std::vector<ReadOnlyBytes>& results) {
+void Respond(int device, uint64_t sequence, const std::vector<ReadOnlyBytes>& results,
+             const std::string& platform) {
+  DeviceQueue* queue = CheckedQueue(platform, device);
   Response response;
   for (const ReadOnlyBytes& result : results) {
     response.results.emplace_back(result.data(), result.data() + result.size());
   }
-  if (!g_responses.Abandoned(device, sequence)) g_responses.Set(device, sequence, std::move(response));
+  g_responses.Set({queue, sequence}, std::move(response));
 }
 
-void RespondError(int device, uint64_t sequence, const std::string& message) {
+void RespondError(int device, uint64_t sequence, const std::string& message,
+                  const std::string& platform) {
+  DeviceQueue* queue = CheckedQueue(platform, device);
   Response response;
   response.error = message.empty() ? "hostcallback: the call failed on the host" : message;
-  if (!g_responses.Abandoned(device, sequence)) g_responses.Set(device, sequence, std::move(response));
+  g_responses.Set({queue, sequence}, std::move(response));
 }
 
-nb::dict StatsOf(int device) {
-  QueueStats s = CheckedQueue(device).Stats();
+nb::dict StatsOf(int device, const std::string& platform) {
+  DeviceQueue* queue = CheckedQueue(platform, device);
+  QueueStats s = queue->Stats();
+  auto [calls_waiting, answers_unclaimed] = g_responses.Counts(queue);
   nb::dict d;
   d["records_enqueued"] = s.records_enqueued;
   d["bytes_enqueued"] = s.bytes_enqueued;
@@ -554,21 +735,34 @@ nb::dict StatsOf(int device) {
   d["peak_bytes_queued"] = s.peak_bytes_queued;
   d["waits"] = s.waits;
   d["wait_seconds"] = static_cast<double>(s.wait_ns) * 1e-9;
+  d["producers_waiting"] = s.producers_waiting;
+  d["calls_waiting"] = calls_waiting;
+  d["answers_unclaimed"] = answers_unclaimed;
   return d;
 }
 
+void ResetPeak(int device, const std::string& platform) {
+  CheckedQueue(platform, device)->ResetPeak();
+}
+
+void FailQueue(int device, const std::string& reason, const std::string& platform) {
+  DeviceQueue* queue = CheckedQueue(platform, device);
+  queue->Fail(reason);
+  g_responses.Fail(queue, reason);
+}
+
 void SetAllClosed(bool closed) {
-  std::lock_guard<std::mutex> lock(g_queues_mu);
-  g_closed = closed;
-  for (auto& [device, q] : g_queues) q->SetClosed(closed);
+  std::lock_guard<std::mutex> lock(g_queues.mu);
+  g_queues.closed = closed;
+  for (auto& [key, q] : g_queues.queues) q->SetClosed(closed);
   g_responses.SetClosed(closed);  // calls still waiting for an answer fail instead of hanging
 }
 
 void SetMaxQueueBytes(uint64_t n) {
   if (n == 0) throw nb::value_error("max_queue_bytes must be positive");
   g_max_queue_bytes.store(n);
-  std::lock_guard<std::mutex> lock(g_queues_mu);
-  for (auto& [device, q] : g_queues) q->Poke();
+  std::lock_guard<std::mutex> lock(g_queues.mu);
+  for (auto& [key, q] : g_queues.queues) q->Poke();
 }
 
 }  // namespace
@@ -582,22 +776,35 @@ NB_MODULE(_hostcallback_outfeed, m) {
     return d;
   });
   m.def("drain", &Drain, nb::arg("device"), nb::arg("max_records"), nb::arg("max_bytes"),
-        nb::arg("timeout_s"),
-        "Waits (GIL released) up to timeout_s for records of one device; returns a list of "
-        "uint8 arrays, one a record, each owning its memory.");
+        nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
+        "Waits (GIL released) up to timeout_s (0 or inf: forever) for records of one device; "
+        "returns a list of read-only uint8 arrays, one a record, each owning its memory. "
+        "max_bytes is capped at the queue budget.");
   m.def("enqueue", &EnqueueFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),
+        nb::arg("platform") = kNativePlatform,
         "Appends one record built from (dtype_code, dims, bytes) leaves; waits while the queue is full.");
   m.def("call", &CallFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),
-        nb::arg("timeout_s"),
+        nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
         "Enqueues a call record and waits (GIL released) for the host's answer: a list of bytes.");
   m.def("respond", &Respond, nb::arg("device"), nb::arg("sequence"), nb::arg("results"),
+        nb::arg("platform") = kNativePlatform,
         "The receiver's answer to a call record: one uint8 array per result leaf.");
   m.def("respond_error", &RespondError, nb::arg("device"), nb::arg("sequence"), nb::arg("message"),
-        "Fails the waiting call with this message.");
-  m.def("stats", &StatsOf, nb::arg("device"));
+        nb::arg("platform") = kNativePlatform, "Fails the waiting call with this message.");
+  m.def("stats", &StatsOf, nb::arg("device"), nb::arg("platform") = kNativePlatform);
+  m.def("reset_peak_bytes_queued", &ResetPeak, nb::arg("device"),
+        nb::arg("platform") = kNativePlatform,
+        "Starts peak_bytes_queued again from what is queued now.");
   m.def("set_closed", &SetAllClosed, nb::arg("closed"),
         "Closed queues refuse new records and wake every waiter; what they hold can still be drained.");
+  m.def("fail", &FailQueue, nb::arg("device"), nb::arg("reason"),
+        nb::arg("platform") = kNativePlatform,
+        "Its receiver is gone: every waiting and future tap or call on this queue fails with the "
+        "reason; what it holds can still be drained.");
   m.def("set_max_queue_bytes", &SetMaxQueueBytes, nb::arg("max_queue_bytes"));
   m.def("max_queue_bytes", []() { return g_max_queue_bytes.load(); });
+  m.def("pooled_bytes", []() { return g_pool.PooledBytes(); },
+        "Bytes of record buffers kept for reuse (at most min(64 MiB, the budget)).");
+  m.attr("NATIVE_PLATFORM") = kNativePlatform;
   m.attr("WIRE_VERSION") = kVersion;
 }

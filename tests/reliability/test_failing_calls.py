@@ -2,7 +2,6 @@
 
 import jax
 import numpy as np
-import pytest
 
 import hostcallback as hcb
 
@@ -23,8 +22,4 @@ def test_every_other_call_fails_clearly_and_the_others_return(transport):
     assert answers == [0, 20, 40]
     assert len(failures) == 3 and all("call consumer flaky failed: ValueError: odd" in f
                                       for f in failures)
-    with pytest.raises(hcb.CallbackException, match=r"3 tap consumer call\(s\) raised.*"
-                                                    r"first: flaky.*odd 1.*last: flaky.*odd 5") as info:
-        hcb.barrier_wait()
-    assert isinstance(info.value.__cause__, ValueError)
-    hcb.barrier_wait()  # clean again
+    hcb.barrier_wait()  # each failure was reported once, by its computation, not again here

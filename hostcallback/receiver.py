@@ -44,6 +44,7 @@ _DRAIN_BYTES = 64 << 20
 _POLL_SECONDS = 0.25
 _SUMMARY_SECONDS = 1.0  # repeated failures of one consumer are summarised at most this often
 _DRAIN_RETRY_SECONDS = 0.05
+_BARRIER_SHARE = 0.8  # of stop()'s (and so of exit's) one deadline
 
 QueueKey = tuple  # (platform, device id): how the C++ core names a device's queue
 
@@ -214,7 +215,10 @@ class ReceiverPool:
             return 0
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            self.barrier_wait(timeout=timeout, raise_errors=False)
+            # The barrier gets most of the deadline; the rest is for the computations that
+            # closing the queues wakes (they fail with "stopped") and for the joins.
+            self.barrier_wait(timeout=None if timeout is None else timeout * _BARRIER_SHARE,
+                              raise_errors=False)
         except (TimeoutError, CallbackException) as error:
             logger.warning("hostcallback: %s", error)
         outfeed.set_closed(True)
@@ -380,13 +384,30 @@ class ReceiverPool:
                     for key in self._devices}
         if logging_name:
             logger.debug("hostcallback: barrier %s (marker %d) starts", logging_name, marker)
-        self._send_markers(marker)
         deadline = None if timeout is None else time.monotonic() + timeout
+        send_errors: list[BaseException] = []
+        if timeout is None:
+            self._send_markers(marker)
+        else:
+            # Dispatching a marker waits while its device is busy (a computation blocked on a
+            # full queue or a pending call): send from a helper thread so the deadline holds.
+            def send() -> None:
+                try:
+                    self._send_markers(marker)
+                except Exception as error:  # noqa: BLE001 - raised by the waiting barrier
+                    send_errors.append(error)
+                    with self._lock:
+                        self._marker_seen.notify_all()
+
+            threading.Thread(target=send, daemon=True,
+                             name=f"hostcallback-barrier-{marker}").start()
         with self._lock:
             try:
                 while True:
                     if self._dead:
                         raise CallbackException("; ".join(self._dead.values()))
+                    if send_errors:
+                        raise send_errors[0]
                     behind = [k for k in self._devices if not expected[k] <= self._markers[k]]
                     if not behind:
                         break

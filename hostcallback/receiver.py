@@ -386,6 +386,7 @@ class ReceiverPool:
             logger.debug("hostcallback: barrier %s (marker %d) starts", logging_name, marker)
         deadline = None if timeout is None else time.monotonic() + timeout
         send_errors: list[BaseException] = []
+        sender = None
         if timeout is None:
             self._send_markers(marker)
         else:
@@ -399,8 +400,9 @@ class ReceiverPool:
                     with self._lock:
                         self._marker_seen.notify_all()
 
-            threading.Thread(target=send, daemon=True,
-                             name=f"hostcallback-barrier-{marker}").start()
+            sender = threading.Thread(target=send, daemon=True,
+                                      name=f"hostcallback-barrier-{marker}")
+            sender.start()
         with self._lock:
             try:
                 while True:
@@ -424,6 +426,10 @@ class ReceiverPool:
             finally:
                 for seen in self._markers.values():
                     seen.difference_update({marker, marker + 1})
+        if sender is not None:
+            # Its markers arrived, so its dispatches are done: let it end before we return (a
+            # daemon thread still inside jaxlib when the interpreter exits aborts the process).
+            sender.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if logging_name:
             logger.debug("hostcallback: barrier %s (marker %d) done", logging_name, marker)
 

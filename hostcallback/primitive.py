@@ -39,6 +39,8 @@ ALL_DEVICES = sharded_lowering.ALL_DEVICES
 PURE = CallbackFlavor.PURE.value  # JAX may drop such a callback when its result is unused
 REPLAYS = ("deliver", "mark", "skip")  # what a tap does when jax.checkpoint recomputes it
 _SKIPPED = "skipped"  # the replayed copy of a replays="skip" tap: lowers to nothing
+# shard_callback: the host callback a partitioned tap's shards call (callback transport), or none.
+NO_SHARD_CALLBACK = -1
 
 
 def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
@@ -50,7 +52,8 @@ def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
                                ordered=ordered, device_index=device_index,
                                emit_device=ALL_DEVICES, result_avals=result_avals,
                                timeout_s=timeout_s, flavor=flavor, vmap_method=vmap_method,
-                               partitioned=partitioned, replays=replays)
+                               partitioned=partitioned, replays=replays,
+                               shard_callback=NO_SHARD_CALLBACK)
 
 
 # ---- effects ---------------------------------------------------------------------------------
@@ -239,11 +242,9 @@ def _lowering(ctx, *args, platform, **params):
         if axis_context.num_devices > 1:
             if params["partitioned"] and not is_call and args:
                 if emitter_for(transport, platform) is callback_transport:
-                    raise NotImplementedError(
-                        "partitioned=True under automatic sharding needs the native transport "
-                        f"(platforms {sorted(NATIVE_PLATFORMS)}): JAX's host callbacks cannot run "
-                        "inside the per-shard computation XLA builds. Tap inside a shard_map "
-                        "instead; there each device taps its own shard on any transport")
+                    # The per-shard computations XLA builds drop their own host callbacks, so the
+                    # one they call is registered here, with the whole computation.
+                    params["shard_callback"] = callback_transport.register_shard_callback(ctx)
                 return sharded_lowering.lower_partitioned(ctx, args, **params)
             del params["emit_device"]
             return sharded_lowering.lower_on_one_device(ctx, args, **params)
@@ -260,6 +261,11 @@ def _lowering(ctx, *args, platform, **params):
                                 emit_device=emit_device, token=token,
                                 op_sharding=op_sharding, result_avals=result_avals,
                                 timeout_s=timeout_s)
+    elif params["shard_callback"] != NO_SHARD_CALLBACK:
+        token = callback_transport.tap_shard(ctx, list(args), consumer_id=consumer_id,
+                                             callback_index=params["shard_callback"],
+                                             token=token, op_sharding=op_sharding)
+        outs = list(args)
     else:
         token = emit.tap(ctx, list(args), consumer_id=consumer_id, emit_device=emit_device,
                          token=token, op_sharding=op_sharding)

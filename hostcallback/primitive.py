@@ -4,12 +4,13 @@ Its rules sit below its definition, top to bottom: effects, abstract eval, dead-
 elimination, batching (vmap_method for calls), jvp, transpose (taps on tangents), the remat split
 (replays), lowering (sharded jits in sharded_lowering.py).
 
-By default a tap declares no JAX effect: any effect sends the whole computation through JAX's
-slow Python dispatch (70 to 180 us a call on a 2-core CPU) even when the tap never fires. Such a
-tap is kept alive by its own DCE rule (and keep_taps.py for the control flow around it) and is
-ordered after the previous tap of the same block by a token chain in the lowering. An
-``ordered=True`` tap declares a shardable ordered effect instead, and JAX threads its token
-through loops, branches and calls: strict program order, at JAX's dispatch cost.
+A tap declares ProgramOrderEffect, an ordered effect that JAX threads through loops, branches
+and calls, so the taps of a computation reach the host in program order; program_order.py keeps
+the effect out of the computation's top level, so JAX's fast dispatch path stays (see there). An
+``ordered=True`` tap declares a strict ordered effect instead, whose token JAX also passes between
+computations at run time: order across computations, at JAX's dispatch cost. A PURE tap declares
+none. A tap is kept alive by its effect, its own DCE rule, and keep_taps.py for the control flow
+around it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from jax._src.lib.mlir import ir
 from jax.extend.core import Primitive
 
 from hostcallback import keep_taps, sharded_lowering
+from hostcallback.program_order import program_order_effect
 from hostcallback.flavors import VMAP_METHODS, CallbackFlavor
 from hostcallback.registry import registry
 
@@ -82,9 +84,13 @@ def _impl(*args, **params):
 outside_call_p.def_impl(_impl)
 
 
-def _abstract_eval(*avals, ordered, result_avals, **params):
+def _abstract_eval(*avals, ordered, result_avals, flavor, **params):
     outs = avals if result_avals is None else result_avals
-    return outs, ({ordered_tap_effect} if ordered else core.no_effects)
+    if ordered:
+        return outs, {ordered_tap_effect}
+    if flavor == PURE:  # JAX may drop it, so it takes no part in the order either
+        return outs, core.no_effects
+    return outs, {program_order_effect}
 
 
 outside_call_p.def_effectful_abstract_eval(_abstract_eval)
@@ -249,11 +255,14 @@ def _lowering(ctx, *args, platform, **params):
             del params["emit_device"]
             return sharded_lowering.lower_on_one_device(ctx, args, **params)
     emit = emitter_for(transport, platform)
-    if ordered:
-        # JAX threads this token through loops, branches and calls: strict program order.
-        token = ctx.tokens_in.get(ordered_tap_effect)
+    # The token that orders this tap after the previous one: JAX threads it through loops,
+    # branches and calls (program_order.py); inside a per-shard module XLA builds, or for a PURE
+    # tap, our own chain orders the taps of one block.
+    effect = ordered_tap_effect if ordered else program_order_effect
+    threaded = effect in ctx.tokens_in.effects()
+    if threaded:
+        token = ctx.tokens_in.get(effect)
     else:
-        # Our own chain: program order among the taps of one block (straight-line code).
         block = ir.InsertionPoint.current.block
         token = _token_chain(ctx).get(block) or mlir.hlo.create_token()
     if is_call:
@@ -270,17 +279,26 @@ def _lowering(ctx, *args, platform, **params):
         token = emit.tap(ctx, list(args), consumer_id=consumer_id, emit_device=emit_device,
                          token=token, op_sharding=op_sharding)
         outs = list(args)
-    if ordered:
-        ctx.set_tokens_out(mlir.TokenSet({ordered_tap_effect: token}))
+    if threaded:
+        ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({effect: token})))
     else:
         _token_chain(ctx)[block] = token
+    return outs
+
+
+def _lowering_passing_tokens_on(ctx, *args, platform, **params):
+    """A tap that takes no part in the token chain (a skipped replay, a partitioned tap) still
+    hands its incoming tokens on, as JAX asks of every rule of an effectful primitive."""
+    outs = _lowering(ctx, *args, platform=platform, **params)
+    if ctx.tokens_out is None:
+        ctx.set_tokens_out(ctx.tokens_in)
     return outs
 
 
 for _platform in ("cpu", "cuda", "rocm", "tpu"):
     mlir.register_lowering(
         outside_call_p,
-        lambda ctx, *args, _platform=_platform, **params: _lowering(
+        lambda ctx, *args, _platform=_platform, **params: _lowering_passing_tokens_on(
             ctx, *args, platform=_platform, **params),
         platform=_platform, cacheable=False)
 

@@ -127,13 +127,8 @@ PROGRAM_ORDER = [
     ("while_cond", 2), ("cond_true", 0), ("after", 0)]
 
 
-def test_unused_taps_in_loops_and_branches_all_run_each_in_program_order(transport, collector):
-    got = _tap_in_every_kind_of_place(collector, ordered=False)
-    assert sorted(got) == sorted(PROGRAM_ORDER)
-    for construct in ("fori", "scan", "while"):
-        assert [v for v in got if v[0].startswith(construct)] == [
-            v for v in PROGRAM_ORDER if v[0].startswith(construct)]
-    assert got.index(("before", 0)) < got.index(("after", 0))
+def test_unused_taps_in_loops_and_branches_all_run_in_program_order(transport, collector):
+    assert _tap_in_every_kind_of_place(collector, ordered=False) == PROGRAM_ORDER
 
 
 def test_ordered_taps_keep_program_order_across_loops_and_branches(transport, collector):
@@ -144,7 +139,8 @@ def test_ordered_taps_follow_the_configured_default(transport, collector):
     with hcb.config.override(ordered=True):
         jaxpr = jax.make_jaxpr(lambda x: hcb.id_tap(collector, x))(1.0)
     assert "HostcallbackOrderedTap" in str(jaxpr.effects)
-    assert not jax.make_jaxpr(lambda x: hcb.id_tap(collector, x))(1.0).effects
+    default = jax.make_jaxpr(lambda x: hcb.id_tap(collector, x))(1.0).effects
+    assert "HostcallbackOrderedTap" not in str(default)
 
 
 def test_taps_in_nested_jit_run(transport, collector):

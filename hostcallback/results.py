@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 from jax import tree_util
 
@@ -22,11 +23,17 @@ def _describe(dtype, shape) -> str:
     return f"{np.dtype(dtype)}{list(shape)}"
 
 
+def _canonical(dtype) -> np.dtype:
+    return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+
+
 def result_leaves(consumer: Consumer, result: Any) -> list[np.ndarray]:
     """The result's leaves as C-contiguous arrays, exactly of the declared shapes and dtypes.
 
-    Python numbers are converted to the declared dtype; arrays must already have it. A call
-    without results ignores what its function returns.
+    Python numbers are converted to the declared dtype. An array is accepted when JAX's
+    canonicalisation of its dtype is the declared one (with x64 off numpy's float64 becomes
+    float32, int64 int32, complex128 complex64), as legacy ``call`` and ``jax.pure_callback`` do;
+    any other dtype is an error. A call without results ignores what its function returns.
     """
     if not consumer.result_avals:
         return []
@@ -40,6 +47,8 @@ def result_leaves(consumer: Consumer, result: Any) -> list[np.ndarray]:
         if isinstance(leaf, (bool, int, float, complex)):
             leaf = np.asarray(leaf, dtype=dtype)
         array = np.asarray(leaf)
+        if array.shape == tuple(shape) and _canonical(array.dtype) == np.dtype(dtype):
+            array = array.astype(dtype, copy=False)
         if array.shape != tuple(shape) or array.dtype != np.dtype(dtype):
             raise CallResultError(
                 f"call consumer {consumer.name} returned {_describe(array.dtype, array.shape)} "

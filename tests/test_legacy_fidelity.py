@@ -1,0 +1,193 @@
+"""Legacy host_callback programs and the jax.pure_callback reference examples run unchanged
+(issue 11): result canonicalisation, legacy wording, id_print's output, trace-time checks."""
+
+import io
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hostcallback as hcb
+from hostcallback import printing
+
+# ---- pure_callback and call: the result dtypes legacy and JAX accept -----------------------
+
+
+@pytest.mark.parametrize("vmap_method", ["expand_dims", "broadcast_all"])
+def test_pure_callback_reference_vmap_example_casts_numpy_float64_to_the_declared_float32(
+        transport, vmap_method):
+    def callback(x, y):
+        return x + y  # numpy: int32 + float32 -> float64
+
+    def fun(x, y, **kwargs):
+        shape_dtype = jax.ShapeDtypeStruct(x.shape, jnp.result_type(x, y))
+        return hcb.pure_callback(callback, shape_dtype, x, y, **kwargs)
+
+    out = jax.vmap(partial(fun, vmap_method=vmap_method), in_axes=(0, None))(jnp.arange(4), 1.0)
+    assert out.dtype == jnp.float32
+    np.testing.assert_array_equal(out, [1.0, 2.0, 3.0, 4.0])
+
+
+@pytest.mark.parametrize("returned,declared", [
+    (np.float64, jnp.float32), (np.int64, jnp.int32), (np.complex128, jnp.complex64),
+    (np.uint64, jnp.uint32)])
+def test_call_accepts_numpy_defaults_that_canonicalise_to_the_declared_dtype(
+        transport, returned, declared):
+    f = jax.jit(lambda x: hcb.call(lambda v: np.arange(3).astype(returned), x,
+                                   result_shape=jax.ShapeDtypeStruct((3,), declared)))
+    out = f(1.0)
+    assert out.dtype == declared
+    np.testing.assert_array_equal(out, [0, 1, 2])
+
+
+def test_legacy_zeros_example_runs(transport):
+    out = jax.jit(lambda x: hcb.call(lambda x: np.zeros(3), x,
+                                     result_shape=jax.ShapeDtypeStruct((3,), jnp.float32)))(1.0)
+    np.testing.assert_array_equal(out, np.zeros(3, np.float32))
+
+
+@pytest.mark.parametrize("returned,declared", [
+    (np.float32, jnp.int32), (np.float64, jnp.int32), (np.int8, jnp.int32),
+    (np.float16, jnp.float32)])
+def test_call_refuses_dtypes_that_are_not_a_canonicalisation_of_the_declared_one(
+        transport, returned, declared):
+    f = jax.jit(lambda x: hcb.call(lambda v: np.zeros(3, returned), x,
+                                   result_shape=jax.ShapeDtypeStruct((3,), declared)))
+    with pytest.raises(Exception, match=f"returned {np.dtype(returned)}\\[3\\] for result leaf 0"):
+        f(1.0).block_until_ready()
+    with pytest.raises(hcb.CallbackException):
+        hcb.barrier_wait()
+
+
+def test_a_canonicalisable_dtype_with_the_wrong_shape_is_still_refused(transport):
+    f = jax.jit(lambda x: hcb.call(lambda v: np.zeros(2), x,
+                                   result_shape=jax.ShapeDtypeStruct((3,), jnp.float32)))
+    with pytest.raises(Exception, match=r"returned float64\[2\] .* says float32\[3\]"):
+        f(1.0).block_until_ready()
+    with pytest.raises(hcb.CallbackException):
+        hcb.barrier_wait()
+
+
+# ---- legacy wording -----------------------------------------------------------------------
+
+
+def test_barrier_exception_begins_with_the_legacy_phrase(transport):
+    def broken(x, transforms):
+        raise ValueError("Some user message")
+
+    jax.jit(lambda x: hcb.id_tap(broken, x))(1.0)
+    with pytest.raises(hcb.CallbackException,
+                       match=r"^There were exceptions during callback processing\. .*"
+                             r"Some user message"):
+        hcb.barrier_wait()
+
+
+def test_id_tap_kwargs_error_has_the_legacy_wording():
+    with pytest.raises(TypeError, match=r"^Support for \*\*kwargs in ``id_tap`` has been removed"
+                                        r".*functools\.partial"):
+        hcb.id_tap(lambda a, t: None, 1.0, what="loss")
+
+
+@pytest.mark.parametrize("result_shape", ["string", lambda x: x])
+def test_bad_result_shape_has_the_legacy_wording(result_shape):
+    with pytest.raises(ValueError, match="The values must be either numeric scalars, or must "
+                                         "have 'shape' and 'dtype' attributes"):
+        hcb.call(lambda x: x, 3.0, result_shape=result_shape)
+
+
+# ---- id_print ------------------------------------------------------------------------------
+
+
+def test_transforms_without_parameters_print_as_their_bare_name():
+    transforms = (("jvp", {}), ("transpose",), ("batch", {"batch_dims": (0,)}))
+    assert printing.format_metadata({}, transforms) == (
+        "transforms: ['jvp', 'transpose', ('batch', {'batch_dims': (0,)})]")
+
+
+def test_id_print_on_cotangents_prints_transpose_as_legacy(transport):
+    out = io.StringIO()
+
+    @jax.custom_jvp
+    def f(x):
+        return x
+
+    @f.defjvp
+    def f_jvp(primals, tangents):
+        return primals[0], hcb.id_print(tangents[0], output_stream=out)
+
+    jax.grad(f)(1.0)
+    hcb.barrier_wait()
+    assert out.getvalue() == "transforms: ['transpose']\n1.\n"
+
+
+def test_id_print_with_a_format_string_prints_one_formatted_line(transport):
+    out = io.StringIO()
+
+    @jax.jit
+    def step(step, loss):
+        hcb.id_print("step {step}: loss {loss:.4f}", step=step, loss=loss, output_stream=out)
+        return loss
+
+    step(jnp.int32(3), jnp.float32(0.25))
+    hcb.barrier_wait()
+    assert out.getvalue() == "step 3: loss 0.2500\n"
+
+
+def test_id_print_format_string_takes_positional_values_too(transport):
+    out = io.StringIO()
+    jax.jit(lambda x, y: hcb.id_print("x={} y={}", x, y, output_stream=out))(1, 2.5)
+    hcb.barrier_wait()
+    assert out.getvalue() == "x=1 y=2.5\n"
+
+
+def test_id_print_legacy_form_keeps_its_legacy_output(transport):
+    out = io.StringIO()
+    jax.jit(lambda x: hcb.id_print(x, what="loss", output_stream=out))(jnp.float32(1.5))
+    hcb.barrier_wait()
+    assert out.getvalue() == "what: loss\n1.5\n"
+
+
+def test_a_format_field_without_a_value_is_refused_at_trace_time():
+    with pytest.raises(ValueError, match=r"field \{loss\} but no keyword argument loss="):
+        hcb.id_print("loss {loss:.4f}", step=1)
+    with pytest.raises(ValueError, match=r"only 1 positional value"):
+        hcb.id_print("{} {}", 1)
+
+
+# ---- tap and call functions of the wrong arity --------------------------------------------
+
+
+def test_a_one_argument_tap_function_is_refused_at_trace_time_with_the_right_form():
+    with pytest.raises(TypeError, match=r"id_tap\(\) will call tap_func\(arg, transforms\).*"
+                                        r"def tap_func\(arg, transforms\)"):
+        jax.jit(lambda x: hcb.id_tap(lambda x: print(x), x))(1.0)
+
+
+def test_a_tap_function_without_device_is_refused_when_tap_with_device_is_set():
+    def tap(arg, transforms):
+        pass
+
+    with pytest.raises(TypeError, match=r"tap_func\(arg, transforms, device=d\)"):
+        hcb.id_tap(tap, 1.0, tap_with_device=True)
+
+
+def test_a_two_argument_call_function_is_refused_at_trace_time():
+    with pytest.raises(TypeError, match=r"call\(\) will call callback_func\(arg\)"):
+        hcb.call(lambda x, y: x, (1.0, 2.0), result_shape=jax.ShapeDtypeStruct((), jnp.float32))
+
+
+def test_pure_callback_checks_its_callback_against_the_arguments_given():
+    with pytest.raises(TypeError, match=r"with 2 argument\(s\)"):
+        hcb.pure_callback(lambda x: x, jax.ShapeDtypeStruct((), jnp.float32), 1.0, 2.0)
+
+
+def test_functions_with_defaults_varargs_or_no_signature_are_accepted(transport):
+    seen = []
+    hcb.id_tap(lambda *args: seen.append(len(args)), 1.0)
+    hcb.id_tap(lambda arg, transforms=(), extra=None: seen.append(2), 1.0)
+    out = hcb.call(np.negative, np.float32(2.0),  # a ufunc: no signature to check
+                   result_shape=jax.ShapeDtypeStruct((), jnp.float32))
+    hcb.barrier_wait()
+    assert seen == [2, 2] and out == -2.0

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
 from jax._src import core
@@ -38,7 +37,9 @@ def _leaf_to_array(path, leaf):
         raise TypeError(
             f"{where} is a PRNG key array ({dtype}); tap its bits with jax.random.key_data(key) "
             "instead.")
-    array = jnp.asarray(leaf)
+    # device_put, not jnp.asarray: for numpy values and Python numbers outside a trace,
+    # jnp.asarray compiles a computation of its own (an eager call would compile two).
+    array = leaf if isinstance(leaf, jax.Array) else jax.device_put(leaf)
     try:
         wire.dtype_code(array.dtype)
     except wire.UnsupportedDtypeError as error:

@@ -191,3 +191,40 @@ def test_functions_with_defaults_varargs_or_no_signature_are_accepted(transport)
                    result_shape=jax.ShapeDtypeStruct((), jnp.float32))
     hcb.barrier_wait()
     assert seen == [2, 2] and out == -2.0
+
+
+# ---- eager calls ---------------------------------------------------------------------------
+
+
+def _count_compilations(fn):
+    compiled = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        result = fn()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    return result, len(compiled)
+
+
+def test_an_eager_call_on_numpy_arguments_compiles_one_computation(transport):
+    hcb.barrier_wait()  # the receivers and their barrier markers are compiled already
+    shape = jax.ShapeDtypeStruct((5,), jnp.float32)
+    out, compilations = _count_compilations(
+        lambda: hcb.call(lambda x: x * 2, np.arange(5.0, dtype=np.float32), result_shape=shape))
+    np.testing.assert_array_equal(out, np.arange(5.0) * 2)
+    assert compilations == 1
+
+
+def test_an_eager_tap_on_a_python_number_compiles_one_computation_and_keeps_weak_type(
+        transport, collector):
+    hcb.barrier_wait()
+    out, compilations = _count_compilations(lambda: hcb.id_tap(collector, 2.5))
+    assert compilations == 1
+    assert out.dtype == jnp.float32 and out.weak_type
+    hcb.barrier_wait()
+    assert collector.values == [2.5]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import string
 from collections.abc import Callable
+from itertools import repeat
 from typing import Any, TextIO
 
 import jax
@@ -32,11 +33,6 @@ def _leaf_to_array(path, leaf):
             f"hostcallback can only tap arrays and numbers, but {where} is a "
             f"{type(leaf).__name__} ({leaf!r:.60}). Pass it through functools.partial to the tap "
             "function, or leave it out of the tapped value.")
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        raise TypeError(
-            f"{where} is a PRNG key array ({dtype}); tap its bits with jax.random.key_data(key) "
-            "instead.")
     # device_put, not jnp.asarray: for numpy values and Python numbers outside a trace,
     # jnp.asarray compiles a computation of its own (an eager call would compile two).
     array = leaf if isinstance(leaf, jax.Array) else jax.device_put(leaf)
@@ -72,9 +68,30 @@ def _accept_tap_with_transform(kwargs: dict) -> None:
             "tap_func(arg, transforms). Ignore the second argument if you do not need it.")
 
 
+def _is_key_array(leaf) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def _flatten(arg):
+    """The leaves to tap, their structure, and per leaf the PRNG implementation of a key array
+    (empty when there are none): a key travels as its key data and is a key again on the host."""
     paths_and_leaves, treedef = tree_util.tree_flatten_with_path(arg)
-    return [_leaf_to_array(path, leaf) for path, leaf in paths_and_leaves], treedef
+    key_impls = tuple(str(jax.random.key_impl(leaf)) if _is_key_array(leaf) else None
+                      for _, leaf in paths_and_leaves)
+    if not any(key_impls):
+        key_impls = ()
+    leaves = [_leaf_to_array(path, jax.random.key_data(leaf) if impl else leaf)
+              for (path, leaf), impl in zip(paths_and_leaves, key_impls or repeat(None))]
+    return leaves, treedef, key_impls
+
+
+def _unflatten(treedef, outs, key_impls: tuple):
+    """What a tap returns: its argument, with key arrays made keys again."""
+    if key_impls:
+        outs = [jax.random.wrap_key_data(out, impl=impl) if impl else out
+                for out, impl in zip(outs, key_impls)]
+    return tree_util.tree_unflatten(treedef, outs)
 
 
 def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
@@ -117,12 +134,12 @@ def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
                  "def tap_func(arg, transforms" + (", device):" if tap_with_device else "):")
                  + " ...  (a jax.debug.callback-style fn(x) becomes "
                  "lambda x, transforms: fn(x))")
-    leaves, treedef = _flatten(arg)
+    leaves, treedef, key_impls = _flatten(arg)
     consumer = Consumer(func=tap_func, treedef=treedef, with_device=tap_with_device,
-                        name=getattr(tap_func, "__name__", ""))
+                        name=getattr(tap_func, "__name__", ""), key_impls=key_impls)
     outs = _tap(consumer, leaves, device_index, ordered, flavor_of(callback_flavor),
                 **_tap_only_params(partitioned, replays))
-    return result if result is not None else tree_util.tree_unflatten(treedef, outs)
+    return result if result is not None else _unflatten(treedef, outs, key_impls)
 
 
 def _check_arity(func: Callable[..., Any], api: str, positional: int, with_device: bool,
@@ -224,14 +241,14 @@ def id_print(arg: Any, *fmt_args: Any, result: Any = None, tap_with_device: bool
             f"id_print() got {len(fmt_args)} extra positional argument(s) after a value that is "
             "not a format string. Tap several values as one pytree, id_print((x, y)), or pass a "
             'format string first: id_print("x={} y={}", x, y)')
-    leaves, treedef = _flatten(arg)
+    leaves, treedef, key_impls = _flatten(arg)
     printer = _Printer(output_stream, threshold, dict(kwargs))
     consumer = Consumer(func=printer, treedef=treedef, with_device=tap_with_device,
                         metadata=tuple(sorted((k, repr(v)) for k, v in kwargs.items())),
-                        name=str(kwargs.get("what", "id_print")))
+                        name=str(kwargs.get("what", "id_print")), key_impls=key_impls)
     outs = _tap(consumer, leaves, device_index, ordered, flavor_of(callback_flavor),
                 **_tap_only_params(partitioned, replays))
-    return result if result is not None else tree_util.tree_unflatten(treedef, outs)
+    return result if result is not None else _unflatten(treedef, outs, key_impls)
 
 
 def _check_format_fields(fmt: str, args: tuple, kwargs: dict) -> None:
@@ -258,10 +275,10 @@ def _id_print_formatted(fmt: str, args: tuple, kwargs: dict, *, result: Any,
                         ordered: bool | None, flavor: CallbackFlavor, params: dict) -> Any:
     """Taps ``(args, kwargs)`` for a format string; the string itself stays on the host."""
     _check_format_fields(fmt, args, kwargs)
-    leaves, treedef = _flatten((tuple(args), dict(kwargs)))
+    leaves, treedef, key_impls = _flatten((tuple(args), dict(kwargs)))
     consumer = Consumer(func=_FormatPrinter(fmt, output_stream), treedef=treedef,
                         with_device=tap_with_device, name="id_print",
-                        metadata=(("format", fmt),))
+                        metadata=(("format", fmt),), key_impls=key_impls)
     _tap(consumer, leaves, device_index, ordered, flavor, **params)
     return result
 
@@ -351,7 +368,7 @@ def call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any = Non
                      "f((x, y)))")
     flavor = flavor_of(callback_flavor)
     check_vmap_method(vmap_method)
-    leaves, treedef = _flatten(arg)
+    leaves, treedef, key_impls = _flatten(arg)
     result_treedef, result_avals = _result_spec(result_shape)
     if flavor is CallbackFlavor.DEBUG and result_avals:
         raise ValueError(
@@ -359,7 +376,8 @@ def call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any = Non
             "jax.debug.callback); drop result_shape, or use IO_CALLBACK or PURE")
     consumer = Consumer(func=callback_func, treedef=treedef, with_device=call_with_device,
                         name=getattr(callback_func, "__name__", repr(callback_func)),
-                        result_treedef=result_treedef, result_avals=result_avals)
+                        result_treedef=result_treedef, result_avals=result_avals,
+                        key_impls=key_impls)
     if flavor is CallbackFlavor.DEBUG:
         # Nothing comes back, so the device does not wait: the record travels as a tap does.
         _tap(consumer, leaves, device_index, ordered, flavor)

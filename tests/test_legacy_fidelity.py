@@ -228,3 +228,51 @@ def test_an_eager_tap_on_a_python_number_compiles_one_computation_and_keeps_weak
     assert out.dtype == jnp.float32 and out.weak_type
     hcb.barrier_wait()
     assert collector.values == [2.5]
+
+
+# ---- PRNG keys -----------------------------------------------------------------------------
+
+
+def test_a_typed_key_can_be_tapped_inside_jit_with_result_key_as_in_jax_issue_13949(
+        transport, collector):
+    @jax.jit
+    def f(key):
+        key = hcb.id_tap(collector, key, result=key)
+        return jax.random.uniform(key)
+
+    key = jax.random.key(7)
+    assert f(key) == jax.random.uniform(key)
+    hcb.barrier_wait()
+    (tapped,) = collector.values
+    assert jax.random.key_impl(tapped) == jax.random.key_impl(key)
+    np.testing.assert_array_equal(jax.random.key_data(tapped), jax.random.key_data(key))
+
+
+def test_a_tapped_key_is_returned_as_a_key_the_computation_can_use(transport, collector):
+    @jax.jit
+    def f(key):
+        return jax.random.normal(hcb.id_tap(collector, key))
+
+    key = jax.random.key(3, impl="rbg")
+    assert f(key) == jax.random.normal(key)
+    hcb.barrier_wait()
+    assert str(jax.random.key_impl(collector.values[0])) == "rbg"
+
+
+def test_a_batch_of_keys_under_vmap_arrives_as_a_batch_of_keys(transport, collector):
+    keys = jax.random.split(jax.random.key(0), 3)
+    jax.vmap(lambda k: hcb.id_tap(collector, k))(keys)
+    hcb.barrier_wait()
+    ((tapped, transforms),) = [(c[0], c[1]) for c in collector.calls]
+    assert tapped.shape == (3,) and transforms == (("batch", {"batch_dims": (0,)}),)
+    np.testing.assert_array_equal(jax.random.key_data(tapped), jax.random.key_data(keys))
+
+
+def test_a_call_receives_a_key_argument_as_a_key(transport):
+    def host(key):
+        return np.asarray(jax.random.key_data(key)[..., 0])
+
+    key = jax.random.key(11)
+    out = jax.jit(lambda k: hcb.call(host, k, result_shape=jax.ShapeDtypeStruct((), jnp.uint32)))(
+        key)
+    assert out == jax.random.key_data(key)[0]

@@ -207,6 +207,13 @@ pe.partial_eval_jaxpr_custom_rules[outside_call_p] = _remat_rule
 # ---- lowering ----------------------------------------------------------------------------------
 
 
+_EXPORT_MESSAGE = (
+    "jax.export cannot serialize a function with a hostcallback {what} ({name}): the exported "
+    "program would name a consumer that lives only in this process. Export the function "
+    "without it (return the values you want to see as extra outputs), then tap around the "
+    "exported call: jax.jit(lambda x: hcb.id_tap(fn, exported.call(x))). See the section "
+    "\"jax.export\" in hostcallback's migration guide.")
+
 # Per MLIR module being lowered: block -> token of the last tap emitted in that block.
 _token_chains: weakref.WeakKeyDictionary[ir.Module, dict] = weakref.WeakKeyDictionary()
 
@@ -225,6 +232,9 @@ def _lowering(ctx, *args, platform, **params):
     if params["replays"] == _SKIPPED:
         return list(args)
     is_call = result_avals is not None
+    if getattr(ctx.module_context.lowering_parameters, "for_export", False):
+        raise NotImplementedError(_EXPORT_MESSAGE.format(
+            what="call" if is_call else "tap", name=registry.get(consumer_id).name or "?"))
     axis_context = ctx.module_context.axis_context
     op_sharding = None
     if isinstance(axis_context, sharding_impls.SPMDAxisContext):

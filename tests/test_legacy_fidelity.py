@@ -276,3 +276,27 @@ def test_a_call_receives_a_key_argument_as_a_key(transport):
     out = jax.jit(lambda k: hcb.call(host, k, result_shape=jax.ShapeDtypeStruct((), jnp.uint32)))(
         key)
     assert out == jax.random.key_data(key)[0]
+
+
+# ---- jax.export ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tapped", ["tap", "call"])
+def test_exporting_a_function_with_a_tap_or_call_is_a_clear_error(transport, tapped):
+    def f(x):
+        if tapped == "tap":
+            return hcb.id_tap(lambda a, t: None, x) * 2
+        return hcb.call(lambda a: a, x, result_shape=x) * 2
+
+    with pytest.raises(NotImplementedError, match=rf"jax.export cannot serialize a function "
+                                                  rf"with a hostcallback {tapped}.*exported.call"):
+        jax.export.export(jax.jit(f))(jax.ShapeDtypeStruct((3,), jnp.float32))
+
+
+def test_tapping_around_an_exported_call_works(transport, collector):
+    exported = jax.export.export(jax.jit(lambda x: x * 2))(
+        jax.ShapeDtypeStruct((3,), jnp.float32))
+    out = jax.jit(lambda x: hcb.id_tap(collector, exported.call(x)))(jnp.arange(3.0))
+    hcb.barrier_wait()
+    np.testing.assert_array_equal(out, [0.0, 2.0, 4.0])
+    np.testing.assert_array_equal(collector.values[0], [0.0, 2.0, 4.0])

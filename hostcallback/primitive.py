@@ -120,7 +120,7 @@ def _batch_call(args, dims, *, consumer_id, result_avals, vmap_method, **params)
             f"vmap of hostcallback.call ({consumer.name}) needs a vmap_method: one of "
             f"{', '.join(map(repr, VMAP_METHODS))}. 'sequential' calls the host once per batch "
             "element; 'expand_dims' and 'broadcast_all' call it once with the whole batch "
-            "(docs/transformations.md)")
+            "(see \"Taps and calls under JAX transformations\" in the documentation)")
     (size,) = {arg.shape[d] for arg, d in zip(args, dims) if d is not None}
     args = [arg if d is None else batching.moveaxis(arg, d, 0) for arg, d in zip(args, dims)]
     if vmap_method in ("sequential", "sequential_unrolled"):
@@ -157,8 +157,8 @@ def _jvp_rule(primals, tangents, **params):
         raise TypeError(
             f"hostcallback.call ({registry.get(params['consumer_id']).name}) cannot be "
             "differentiated: JAX cannot see inside host code. Wrap it in jax.custom_vjp and "
-            "compute the backward pass yourself (it may be another call); see "
-            "docs/transformations.md")
+            "compute the backward pass yourself (it may be another call); see \"Taps and calls "
+            "under JAX transformations\" in the documentation")
     return outside_call_p.bind(*primals, **params), tangents
 
 
@@ -169,7 +169,8 @@ def _transpose_rule(cotangents, *args, consumer_id, **params):
     """A tap on tangent values (in a custom_jvp rule) runs backwards: it taps the cotangents,
     with ("transpose", {}) in its transforms, and passes them on, as legacy host_callback did."""
     if params["result_avals"] is not None:
-        raise TypeError("hostcallback.call cannot be transposed; see docs/transformations.md")
+        raise TypeError("hostcallback.call cannot be transposed; see \"Taps and calls under JAX "
+                        "transformations\" in the documentation")
     cotangents = [ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct for ct in cotangents]
     transposed = registry.get(consumer_id).with_transform(("transpose", {}))
     outs = outside_call_p.bind(*cotangents, consumer_id=registry.register(transposed), **params)

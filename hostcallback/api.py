@@ -377,7 +377,7 @@ def call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any = Non
     consumer = Consumer(func=callback_func, treedef=treedef, with_device=call_with_device,
                         name=getattr(callback_func, "__name__", repr(callback_func)),
                         result_treedef=result_treedef, result_avals=result_avals,
-                        key_impls=key_impls)
+                        key_impls=key_impls, x64=bool(jax.config.jax_enable_x64))
     if flavor is CallbackFlavor.DEBUG:
         # Nothing comes back, so the device does not wait: the record travels as a tap does.
         _tap(consumer, leaves, device_index, ordered, flavor)

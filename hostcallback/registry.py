@@ -40,6 +40,8 @@ class Consumer:
     # Per leaf, the PRNG implementation of a tapped key array (None for other leaves), or ()
     # when there are none: such a leaf arrives as key data and is handed on as a key array.
     key_impls: tuple = ()
+    # A call traced with x64 on accepts only exact result dtypes (no float64 -> float32).
+    x64: bool = False
 
     @property
     def is_call(self) -> bool:
@@ -99,7 +101,7 @@ class ConsumerRegistry:
         key = (_freeze(consumer.func), consumer.treedef, _freeze(consumer.transforms),
                consumer.with_device, _freeze(consumer.metadata), consumer.name,
                consumer.result_treedef, consumer.result_avals,
-               _freeze(consumer.per_device_transforms), consumer.key_impls)
+               _freeze(consumer.per_device_transforms), consumer.key_impls, consumer.x64)
         with self._lock:
             found = self._by_key.get(key)
             if found is not None:

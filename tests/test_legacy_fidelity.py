@@ -300,3 +300,13 @@ def test_tapping_around_an_exported_call_works(transport, collector):
     hcb.barrier_wait()
     np.testing.assert_array_equal(out, [0.0, 2.0, 4.0])
     np.testing.assert_array_equal(collector.values[0], [0.0, 2.0, 4.0])
+
+
+def test_with_x64_on_a_call_needs_the_exact_result_dtype_as_legacy_did(transport):
+    with jax.enable_x64(True):
+        f = jax.jit(lambda x: hcb.call(lambda v: np.zeros(3), x,
+                                       result_shape=jax.ShapeDtypeStruct((3,), jnp.float32)))
+        with pytest.raises(Exception, match=r"returned float64\[3\] .* says float32\[3\]"):
+            f(1.0).block_until_ready()
+    with pytest.raises(hcb.CallbackException):
+        hcb.barrier_wait()

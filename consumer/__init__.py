@@ -1,5 +1,5 @@
 """Ready-made tap consumers: record streams to files and sockets, logging, running statistics,
-and a collector for many processes. See docs/stream-format.md and docs/consumers.md."""
+and a collector for many processes. See the documents "Record stream format" and "Consumers"."""
 
 from consumer.sinks import (
                             FileSink,

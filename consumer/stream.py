@@ -1,7 +1,7 @@
 """The record stream: tapped values as a versioned msgpack stream, readable from any language.
 
 A stream is a sequence of msgpack maps. The first is a header ``{"format": "hostcallback-stream",
-"version": 1, ...}``; each following map is one tap record (docs/stream-format.md lists its keys).
+"version": 1, ...}``; each following map is one tap record ("Record stream format" lists its keys).
 Arrays travel as ``{"__ndarray__": dtype name, "shape": [...], "data": raw bytes}``, so every
 dtype, bfloat16 and the other ml_dtypes included, round-trips bit for bit. Readers skip a torn last
 record (a crash mid-write) and keep every complete one before it. This module never touches JAX.

@@ -129,7 +129,7 @@ def _batch_call(args, dims, *, consumer_id, result_avals, vmap_method, **params)
             f"vmap of hostcallback.call ({consumer.name}) needs a vmap_method: one of "
             f"{', '.join(map(repr, VMAP_METHODS))}. 'sequential' calls the host once per batch "
             "element; 'expand_dims' and 'broadcast_all' call it once with the whole batch "
-            "(docs/transformations.md)")
+            "(see \"Taps and calls under JAX transformations\" in the documentation)")
     (size,) = {arg.shape[d] for arg, d in zip(args, dims) if d is not None}
     args = [arg if d is None else batching.moveaxis(arg, d, 0) for arg, d in zip(args, dims)]
     if vmap_method in ("sequential", "sequential_unrolled"):
@@ -166,8 +166,8 @@ def _jvp_rule(primals, tangents, **params):
         raise TypeError(
             f"hostcallback.call ({registry.get(params['consumer_id']).name}) cannot be "
             "differentiated: JAX cannot see inside host code. Wrap it in jax.custom_vjp and "
-            "compute the backward pass yourself (it may be another call); see "
-            "docs/transformations.md")
+            "compute the backward pass yourself (it may be another call); see \"Taps and calls "
+            "under JAX transformations\" in the documentation")
     return outside_call_p.bind(*primals, **params), tangents
 
 
@@ -178,7 +178,8 @@ def _transpose_rule(cotangents, *args, consumer_id, **params):
     """A tap on tangent values (in a custom_jvp rule) runs backwards: it taps the cotangents,
     with ("transpose", {}) in its transforms, and passes them on, as legacy host_callback did."""
     if params["result_avals"] is not None:
-        raise TypeError("hostcallback.call cannot be transposed; see docs/transformations.md")
+        raise TypeError("hostcallback.call cannot be transposed; see \"Taps and calls under JAX "
+                        "transformations\" in the documentation")
     cotangents = [ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct for ct in cotangents]
     transposed = registry.get(consumer_id).with_transform(("transpose", {}))
     outs = outside_call_p.bind(*cotangents, consumer_id=registry.register(transposed), **params)
@@ -216,6 +217,13 @@ pe.partial_eval_jaxpr_custom_rules[outside_call_p] = _remat_rule
 # ---- lowering ----------------------------------------------------------------------------------
 
 
+_EXPORT_MESSAGE = (
+    "jax.export cannot serialize a function with a hostcallback {what} ({name}): the exported "
+    "program would name a consumer that lives only in this process. Export the function "
+    "without it (return the values you want to see as extra outputs), then tap around the "
+    "exported call: jax.jit(lambda x: hcb.id_tap(fn, exported.call(x))). See the section "
+    "\"jax.export\" in hostcallback's migration guide.")
+
 # Per MLIR module being lowered: block -> token of the last tap emitted in that block.
 _token_chains: weakref.WeakKeyDictionary[ir.Module, dict] = weakref.WeakKeyDictionary()
 
@@ -234,6 +242,9 @@ def _lowering(ctx, *args, platform, **params):
     if params["replays"] == _SKIPPED:
         return list(args)
     is_call = result_avals is not None
+    if getattr(ctx.module_context.lowering_parameters, "for_export", False):
+        raise NotImplementedError(_EXPORT_MESSAGE.format(
+            what="call" if is_call else "tap", name=registry.get(consumer_id).name or "?"))
     axis_context = ctx.module_context.axis_context
     op_sharding = None
     if isinstance(axis_context, sharding_impls.SPMDAxisContext):

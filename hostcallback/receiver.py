@@ -305,7 +305,8 @@ class ReceiverPool:
             self._first_failure, self._last_failure, self._failure_count = None, None, 0
         if first is None:
             return
-        message = f"{count} tap consumer call(s) raised since the last barrier_wait; first: " \
+        message = "There were exceptions during callback processing. " \
+                  f"{count} tap consumer call(s) raised since the last barrier_wait; first: " \
                   f"{first.describe()}"
         if count > 1:
             message += f"; last: {last.describe()}"

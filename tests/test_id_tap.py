@@ -188,9 +188,14 @@ def test_unsupported_dtypes_are_refused_naming_the_supported_ones():
         jax.jit(lambda x: hcb.id_tap(lambda a, t: None, x))(jnp.zeros(4, dtype=jnp.int4))
 
 
-def test_prng_keys_are_refused_with_the_way_to_tap_them():
-    with pytest.raises(TypeError, match="key_data"):
-        hcb.id_tap(lambda a, t: None, jax.random.key(0))
+def test_prng_key_arrays_arrive_as_key_arrays(transport, collector):
+    key = jax.random.key(42)
+    out = jax.jit(lambda k: hcb.id_tap(collector, {"key": k, "x": 1.0}))(key)
+    hcb.barrier_wait()
+    (value,) = collector.values
+    assert jax.dtypes.issubdtype(value["key"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(value["key"]), jax.random.key_data(key))
+    np.testing.assert_array_equal(jax.random.key_data(out["key"]), jax.random.key_data(key))
 
 
 def test_none_leaves_are_part_of_the_structure(transport, collector):

@@ -105,10 +105,9 @@ def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
     ``tap_with_device=True`` the call is ``tap_func(arg, transforms, device=d)``. Errors in
     ``tap_func`` surface at the next ``barrier_wait()`` as CallbackException.
 
-    Taps of one straight-line block (and of one loop body or branch) run in program order. With
-    ``ordered=True`` (default: ``HOSTCALLBACK_ORDERED``) ordered taps also keep program order across
-    loops, branches and nested jits, at the cost of JAX's slower dispatch (see "Performance" in
-    the documentation).
+    Per device, taps run in program order, across loops, branches and nested jits. With
+    ``ordered=True`` (default: ``HOSTCALLBACK_ORDERED``) they also keep order across separate
+    computations, at the cost of JAX's slower dispatch (see "Performance" in the documentation).
     ``callback_flavor=CallbackFlavor.PURE`` lets JAX drop the tap when its result is unused.
     ``device_index`` picks which of a computation's devices taps a value that is not split over
     them (a sharded jit); under pmap and shard_map each device taps its own part. With

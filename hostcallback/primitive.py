@@ -26,8 +26,8 @@ from jax._src.lib.mlir import ir
 from jax.extend.core import Primitive
 
 from hostcallback import keep_taps, sharded_lowering
-from hostcallback.program_order import program_order_effect
 from hostcallback.flavors import VMAP_METHODS, CallbackFlavor
+from hostcallback.program_order import program_order_effect
 from hostcallback.registry import registry
 
 outside_call_p = Primitive("outside_call")
@@ -233,8 +233,8 @@ def _token_chain(ctx) -> dict:
 
 
 def _lowering(ctx, *args, platform, **params):
-    from hostcallback.transport import NATIVE_PLATFORMS, emitter_for
     from hostcallback.transport import callback as callback_transport
+    from hostcallback.transport import emitter_for
 
     consumer_id, transport, ordered, emit_device, result_avals, timeout_s = (
         params[k] for k in ("consumer_id", "transport", "ordered", "emit_device", "result_avals",

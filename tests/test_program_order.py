@@ -179,7 +179,8 @@ def test_each_device_keeps_program_order_under_pmap_shard_map_and_sharded_jit(ta
     hcb.barrier_wait()
     for device in range(4):
         mine = [(f, float(np.sum(v))) for f, v in tags.on(device)]
-        per_step = [("first", device + 0.0), ("first", device + 1.0), ("second", device * 10 + 10.0)]
+        per_step = [("first", device + 0.0), ("first", device + 1.0),
+                    ("second", device * 10 + 10.0)]
         whole = [("first", 6.0), ("first", 10.0), ("second", 100.0)] if device == 0 else []
         assert mine == per_step * 2 + whole
 

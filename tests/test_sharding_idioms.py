@@ -184,9 +184,9 @@ def test_partitioned_tap_gathers_nothing(transport, collector):
 def test_shard_map_inside_jit_under_set_mesh_taps_each_shard(transport, collector, tap_kind):
     mesh = _mesh()
     with jax.set_mesh(mesh):
-        tap = lambda x: hcb.id_tap(collector, x, tap_with_device=True,  # noqa: E731
+        tap = lambda x: hcb.id_tap(collector, x, tap_with_device=True,
                                    partitioned=tap_kind == "partitioned")
-        answer = lambda x: hcb.call(lambda v: np.asarray(v) + 100, x, result_shape=x)  # noqa: E731
+        answer = lambda x: hcb.call(lambda v: np.asarray(v) + 100, x, result_shape=x)
         step = jax.jit(jax.shard_map(lambda x: answer(tap(x * 2)), in_specs=P("d"),
                                      out_specs=P("d")))
         out = step(jax.device_put(VALUE, NamedSharding(mesh, P("d"))))

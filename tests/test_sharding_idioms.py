@@ -206,3 +206,14 @@ def test_pmap_taps_and_calls_per_device(transport, collector):
     np.testing.assert_array_equal(out, np.arange(4.0) * 3)
     assert {device.id: float(arg) for arg, _, device in collector.calls} == {
         0: 0.0, 1: 1.0, 2: 2.0, 3: 3.0}
+
+
+def test_a_tap_in_a_partly_manual_shard_map_is_a_clear_error_at_trace_time(transport, collector):
+    mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+    with jax.set_mesh(mesh):
+        step = jax.jit(jax.shard_map(lambda x: hcb.id_tap(collector, x), in_specs=P("a"),
+                                     out_specs=P("a"), axis_names={"a"}))
+        x = jax.device_put(VALUE, NamedSharding(mesh, P("a")))
+        with pytest.raises(NotImplementedError, match="every mesh axis to be manual"):
+            step.lower(x)
+    assert collector.calls == []

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from consumer.sinks import Sink, scalar_series, tap_to
+from consumer.sinks import Sink, tap_to
 from consumer.stream import TapRecord
 from hostcallback.receiver import receivers
 
@@ -98,10 +98,7 @@ class ProgressSink(Sink):
 
     def emit(self, record: TapRecord) -> None:
         position = record.step + 1 if record.step is not None else None
-        values = scalar_series(record) if self.postfix else {}
-        prefix = record.name + "."
-        values = {key.removeprefix(prefix): value
-                  for key, value in values.items()}
+        values = _scalars(record.value) if self.postfix else {}
         with self._lock:
             if self._bar is None or (position is not None and position < self.position):
                 if self._bar is not None:
@@ -146,6 +143,25 @@ class ProgressSink(Sink):
             self._finish()
 
 
+def _scalars(value: Any, prefix: str = "") -> dict[str, float]:
+    """The scalar leaves of a tapped value by their path (``loss``, ``norms.layer1``), for the
+    postfix; arrays and the step are left out (a bar has room for a few numbers only)."""
+    out: dict[str, float] = {}
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not (prefix == "" and key == "step"):
+                out.update(_scalars(item, f"{prefix}{key}."))
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            out.update(_scalars(item, f"{prefix}{index}."))
+    else:
+        array = np.asarray(value)
+        if array.size == 1 and (np.issubdtype(array.dtype, np.number) or array.dtype == bool) \
+                and not np.iscomplexobj(array):
+            out[prefix[:-1] or "value"] = float(array.reshape(()))
+    return out
+
+
 def _postfix(values: dict[str, float]) -> dict[str, str]:
     return {key: f"{value:.4g}" for key, value in values.items()}
 
@@ -166,9 +182,12 @@ class _Lines:
     def __init__(self, sink: ProgressSink) -> None:
         self.sink = sink
         self.started = time.monotonic()
+        self.first_position = None  # the rate counts from the first record on
         self.last_line = -math.inf
 
     def update(self) -> None:
+        if self.first_position is None:
+            self.first_position = self.sink.position
         if time.monotonic() - self.last_line >= self.sink.line_seconds:
             self.line()
 
@@ -177,14 +196,17 @@ class _Lines:
         now = time.monotonic()
         self.last_line = now
         elapsed = now - self.started
-        rate = sink.position / elapsed if elapsed > 0 else 0.0
+        done = sink.position - (self.first_position or 0)
+        rate = done / elapsed if elapsed > 0 and done > 0 else 0.0
         parts = [f"{sink.desc}:" if sink.desc else "progress:"]
         if sink.total:
             parts.append(f"{sink.position}/{sink.total} {sink.unit}s "
                          f"({100 * sink.position / sink.total:.0f}%)")
         else:
             parts.append(f"{sink.position} {sink.unit}s")
-        parts.append(f"{rate:.4g} {sink.unit}s/s, elapsed {elapsed:.1f} s")
+        if rate:
+            parts.append(f"{rate:.4g} {sink.unit}s/s")
+        parts.append(f"elapsed {elapsed:.1f} s")
         if sink.total and rate > 0 and not final:
             parts.append(f"eta {(sink.total - sink.position) / rate:.1f} s")
         parts += [f"{key}={value}" for key, value in _postfix(sink.values).items()]

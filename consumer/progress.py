@@ -75,6 +75,8 @@ class ProgressSink(Sink):
         self.values: dict[str, float] = {}
         self.bars_started = 0
         self._lock = threading.Lock()
+        self._finished = threading.Condition(self._lock)
+        self._finished_unwaited = 0  # bars finished that no wait() has returned for yet
         self._bar = None  # a tqdm bar, or _Lines
         if self.use_bar is None:
             self.use_bar = _is_terminal(self._out())
@@ -121,11 +123,23 @@ class ProgressSink(Sink):
         bar, self._bar = self._bar, None
         if bar is None:
             return
+        self._finished_unwaited += 1
+        self._finished.notify_all()
         if self.use_bar:
             bar.set_postfix(_postfix(self.values), refresh=False)
             bar.close()
         else:
             bar.line(final=True)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits until a bar finishes (reaches ``total`` or is closed), and returns True; False
+        after ``timeout`` seconds. Each finished bar ends one wait, so calling ``wait()`` after
+        every loop waits for that loop's bar, without the cost of a ``barrier_wait``."""
+        with self._finished:
+            if not self._finished.wait_for(lambda: self._finished_unwaited > 0, timeout):
+                return False
+            self._finished_unwaited -= 1
+            return True
 
     def flush(self) -> None:
         """At every barrier: show the latest position (a bar refreshes only now and then)."""

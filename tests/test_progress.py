@@ -180,3 +180,13 @@ def _record(step):
     from consumer import TapRecord
 
     return TapRecord(name="x", step=step, value={"loss": np.float32(0.5)})
+
+
+def test_wait_returns_once_the_loops_bar_has_finished():
+    sink = ProgressSink(total=100, file=io.StringIO())
+    loop = jax.jit(lambda x: progress_fori_loop(0, 100, body, x, every=10, sink=sink))
+    for _ in range(2):
+        loop(1.0)
+        assert sink.wait(timeout=60)
+        assert sink.position == 100
+    assert not sink.wait(timeout=0.01)  # each finished bar ends one wait

@@ -87,14 +87,17 @@ class ProgressSink(Sink):
     def _out(self) -> TextIO:
         return self.file if self.file is not None else sys.stderr
 
-    def _start(self) -> None:
+    def _start(self, position: int) -> None:
+        # The bar starts where the first record says, so its rate counts only the steps it saw
+        # happen (the first record of a chunked loop comes after a whole chunk).
         self.bars_started += 1
         self.position = 0
         if self.use_bar:
             tqdm = _import_tqdm()
             kwargs = {"dynamic_ncols": True, "mininterval": 0.1, **self.tqdm_kwargs}
             self._bar = tqdm(total=self.total, desc=self.desc, file=self._out(), unit=self.unit,
-                             **kwargs)
+                             initial=position, **kwargs)
+            self.position = position
         else:
             self._bar = _Lines(self)
 
@@ -105,7 +108,7 @@ class ProgressSink(Sink):
             if self._bar is None or (position is not None and position < self.position):
                 if self._bar is not None:
                     self._finish()
-                self._start()
+                self._start(0 if position is None else position)
             position = self.position + 1 if position is None else position
             self.values.update(values)
             advance = position - self.position

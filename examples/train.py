@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2000, help="training steps (default 2000)")
     parser.add_argument("--batch-size", type=int, default=128, help="examples per step")
-    parser.add_argument("--learning-rate", type=float, default=3e-3, help="Adam's step size")
+    parser.add_argument("--learning-rate", type=float, default=1e-2,
+                        help="Adam's step size (default 0.01)")
     parser.add_argument("--eval-every", type=int, default=50,
                         help="steps between evaluations on held-out data (default 50)")
     parser.add_argument("--out", default="runs/example",

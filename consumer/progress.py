@@ -50,8 +50,9 @@ class ProgressSink(Sink):
     """A progress bar over the records it receives.
 
     The position is the record's ``step`` + 1 (taps report the step they just finished), or the
-    number of records when they carry no step; a step lower than the bar's position starts a new
-    bar (a loop that runs again). ``total`` gives percentages and an ETA, and the bar closes when
+    number of records when they carry no step; the furthest device sets the position, and a
+    device that reports a step lower than its own last starts a new bar (a loop that runs
+    again). ``total`` gives percentages and an ETA, and the bar closes when
     the position reaches it. ``bar``: True for tqdm, False for plain lines every
     ``line_seconds``, None (default) for tqdm exactly when ``file`` (stderr) is a terminal.
     """
@@ -78,6 +79,9 @@ class ProgressSink(Sink):
         self._finished = threading.Condition(self._lock)
         self._finished_unwaited = 0  # bars finished that no wait() has returned for yet
         self._bar = None  # a tqdm bar, or _Lines
+        self._bar_done = False  # the last bar reached total; late reports of it are ignored
+        self._run = 0  # which run of the loop the bar shows
+        self._sources: dict[tuple[int, int], tuple[int, int]] = {}  # device -> (run, position)
         if self.use_bar is None:
             self.use_bar = _is_terminal(self._out())
         if self.use_bar:
@@ -102,14 +106,28 @@ class ProgressSink(Sink):
             self._bar = _Lines(self)
 
     def emit(self, record: TapRecord) -> None:
-        position = record.step + 1 if record.step is not None else None
+        reported = record.step + 1 if record.step is not None else None
         values = _scalars(record.value) if self.postfix else {}
+        source = (record.process, record.device_id)
         with self._lock:
-            if self._bar is None or (position is not None and position < self.position):
-                if self._bar is not None:
-                    self._finish()
-                self._start(0 if position is None else position)
-            position = self.position + 1 if position is None else position
+            # Devices report independently: one may still send the end of the last run while
+            # another has begun the next. Each device counts its runs (a step lower than its own
+            # last one begins one), and the bar follows the newest run.
+            run, last = self._sources.get(source, (self._run, 0))
+            if reported is not None and reported < last:
+                run += 1
+            self._sources[source] = (run, last if reported is None else reported)
+            if run < self._run:
+                return  # a slower device's report on an earlier run
+            if run > self._run:
+                self._finish()
+                self._run, self._bar_done = run, False
+            if self._bar is None:
+                if self._bar_done and reported is not None:
+                    return  # a slower device reporting on the bar that just finished
+                self._bar_done = False
+                self._start(0 if reported is None else reported)
+            position = self.position + 1 if reported is None else reported
             self.values.update(values)
             advance = position - self.position
             self.position = max(position, self.position)
@@ -121,6 +139,7 @@ class ProgressSink(Sink):
                 self._bar.update()
             if self.total is not None and self.position >= self.total:
                 self._finish()
+                self._bar_done = True
 
     def _finish(self) -> None:
         bar, self._bar = self._bar, None

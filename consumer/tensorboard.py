@@ -70,34 +70,42 @@ class TensorBoardSink(Sink):
 
     ``histograms``: glob patterns of tags whose arrays are written as histograms (``"*"`` for
     every array), e.g. ``("train/grads/*",)``; ``histogram_bins`` caps their bin count.
+    ``per_device``: each device's records go to a run of their own, ``logdir/dev<id>``, which
+    TensorBoard draws as one line per device in the same chart (under ``pmap`` or ``shard_map``
+    every device taps the same tags); by default all devices share one series.
     """
 
     def __init__(self, logdir: str | os.PathLike, *, histograms: Iterable[str] = (),
-                 histogram_bins: int = 64) -> None:
+                 histogram_bins: int = 64, per_device: bool = False) -> None:
         if isinstance(histograms, str):
             histograms = (histograms,)
         self.logdir = os.fspath(logdir)
         self.histograms = tuple(histograms)
         self.histogram_bins = histogram_bins
+        self.per_device = per_device
         # Fail now, not on a receiver thread.
         self._summary, self._events_writer, self._event = _tensorboardx()
         self._lock = threading.Lock()
-        self._writer = None
-        self._counters: dict[str, int] = {}
+        self._writers: dict[str, Any] = {}
+        self._counters: dict[tuple[str, str], int] = {}
         self._closed = False
         receivers.add_flush_hook(self)
 
     def _writer_for(self, record: TapRecord):
-        if self._writer is None:
+        run = f"dev{record.device_id}" if self.per_device and record.device_id >= 0 else ""
+        writer = self._writers.get(run)
+        if writer is None:
             # Opened at the first record, so the process index comes from the record and
             # building a sink never starts JAX's backends (jax.distributed.initialize comes
             # first). tensorboardX's SummaryWriter is not used: it queues events for a thread of
             # its own and its flush() does not wait for them; the receiver thread that calls
             # emit is already off the device's path, so events are written here, in order.
-            os.makedirs(self.logdir, exist_ok=True)
+            directory = os.path.join(self.logdir, run)
+            os.makedirs(directory, exist_ok=True)
             suffix = f".p{record.process}.{os.getpid()}.{next(_serial)}"
-            self._writer = self._events_writer(os.path.join(self.logdir, "events"), suffix)
-        return self._writer
+            writer = self._events_writer(os.path.join(directory, "events"), suffix)
+            self._writers[run] = writer
+        return run, writer
 
     def _is_histogram(self, tag: str, array: np.ndarray) -> bool:
         return array.size > 1 and any(fnmatch.fnmatchcase(tag, p) for p in self.histograms)
@@ -106,13 +114,13 @@ class TensorBoardSink(Sink):
         with self._lock:
             if self._closed:
                 raise ValueError(f"TensorBoardSink({self.logdir!r}) is closed")
-            writer = self._writer_for(record)
+            run, writer = self._writer_for(record)
             for tag, array in tensorboard_leaves(record.name, record.value):
                 if record.step is not None:
                     step = record.step
                 else:
-                    step = self._counters.get(tag, 0)
-                    self._counters[tag] = step + 1
+                    step = self._counters.get((run, tag), 0)
+                    self._counters[run, tag] = step + 1
                 values = array.astype(np.float64)
                 if self._is_histogram(tag, array):
                     summary = self._summary.histogram(tag, values.reshape(-1), "auto",
@@ -125,13 +133,15 @@ class TensorBoardSink(Sink):
     def flush(self) -> None:
         """Puts every event so far on disk (called at every barrier_wait and at exit)."""
         with self._lock:
-            if self._writer is not None and not self._closed:
-                self._writer.flush()
+            if not self._closed:
+                for writer in self._writers.values():
+                    writer.flush()
 
     def close(self) -> None:
         with self._lock:
-            if self._writer is not None and not self._closed:
-                self._writer.close()
+            if not self._closed:
+                for writer in self._writers.values():
+                    writer.close()
             self._closed = True
 
 

@@ -176,10 +176,35 @@ def test_a_loop_length_that_is_not_a_python_int_is_refused_clearly():
         scan_progress(10, every=0)
 
 
-def _record(step):
+def test_a_lagging_device_neither_restarts_nor_reopens_the_bar():
+    sink = ProgressSink(total=3, file=io.StringIO())
+    for step in range(3):
+        sink.emit(_record(step, device_id=0))
+    sink.emit(_record(1, device_id=1))  # behind device 0, then the end of the first run
+    sink.emit(_record(2, device_id=1))
+    sink.emit(_record(0, device_id=0))  # device 0 runs the loop again
+    sink.emit(_record(2, device_id=1))  # device 1 still on the first run: ignored
+    sink.emit(_record(0, device_id=1))
+    assert sink.bars_started == 2 and sink.position == 1
+
+
+def test_a_pmap_loop_run_twice_gives_two_bars(tmp_path):
+    out = io.StringIO()
+    sink = ProgressSink(total=20, desc="pmap", file=out)
+    step = jax.pmap(lambda s: tap_to([sink], {"step": s}, name="pmap"))
+    for _ in range(2):
+        for s in range(20):
+            step(jnp.full(jax.local_device_count(), s, jnp.int32))
+        assert sink.wait(timeout=60)
+    hcb.barrier_wait()
+    assert sink.bars_started == 2
+    assert [line.endswith("done") for line in out.getvalue().splitlines()] == [False, True] * 2
+
+
+def _record(step, device_id=-1):
     from consumer import TapRecord
 
-    return TapRecord(name="x", step=step, value={"loss": np.float32(0.5)})
+    return TapRecord(name="x", step=step, device_id=device_id, value={"loss": np.float32(0.5)})
 
 
 def test_wait_returns_once_the_loops_bar_has_finished():

@@ -96,3 +96,14 @@ def test_without_tensorboardx_the_sink_names_the_extra_to_install(tmp_path, monk
     monkeypatch.setitem(sys.modules, "tensorboardX", None)
     with pytest.raises(ImportError, match=r"pip install 'hostcallback\[tensorboard\]'"):
         TensorBoardSink(tmp_path)
+
+
+def test_per_device_writes_a_run_per_device_of_a_pmap(tmp_path):
+    sink = TensorBoardSink(tmp_path, per_device=True)
+    devices = jax.local_devices()[:4]
+    step = jax.pmap(lambda s, x: tap_to([sink], {"step": s, "loss": x}, name="train"))
+    step(jnp.zeros(len(devices), jnp.int32), jnp.arange(len(devices), dtype=jnp.float32))
+    hcb.barrier_wait()
+    runs = {f"dev{d.id}": read_scalars(tmp_path / f"dev{d.id}") for d in devices}
+    assert runs == {f"dev{d.id}": {"train/loss": [(0, float(i))]}
+                    for i, d in enumerate(devices)}

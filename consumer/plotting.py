@@ -86,8 +86,15 @@ def plot(paths: str | os.PathLike | Sequence[str | os.PathLike],
         title = os.path.basename(os.fspath(paths[0]))  # each panel names its series
     figure, skipped = draw(plt, series, chosen, logy=logy, smoothing=smoothing, overlay=overlay,
                            title=title or "")
-    figure.savefig(output, dpi=100)
-    plt.close(figure)
+    try:
+        figure.savefig(output, dpi=100)
+    except ValueError as error:  # an image format matplotlib does not write
+        formats = ", ".join(sorted(figure.canvas.get_supported_filetypes()))
+        print(f"plot: cannot write {output}: {error}; use one of these suffixes: {formats}",
+              file=sys.stderr)
+        return 1
+    finally:
+        plt.close(figure)
     if skipped:
         print(f"plot: {skipped} values <= 0 cannot be shown on a log scale and were left out",
               file=sys.stderr)

@@ -196,3 +196,11 @@ def test_a_closed_pipe_stops_tail_quietly_with_a_non_zero_exit_code(tmp_path):
     stderr = tail.stderr.read().decode()
     assert tail.wait(60) == 141
     assert stderr == ""
+
+
+def test_an_image_format_matplotlib_cannot_write_is_one_line_naming_the_formats(two_devices,
+                                                                                tmp_path):
+    result = cli("plot", str(two_devices), "--name", "train.loss", "-o", str(tmp_path / "x.abc"))
+    assert result.returncode == 1
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"plot: cannot write {tmp_path / 'x.abc'}") and "png" in line

@@ -1,7 +1,8 @@
 """python -m consumer: collect streams, and read them (tail, stats, plot).
 
   collect --port P --out DIR    gather streams from many processes into DIR/<run>.hcbs
-  tail FILE [--follow]          print records as id_print would
+                                (--port 0: a free port; it prints its address)
+  tail FILE [--follow]          print records as id_print would (--follow follows rotation)
   stats FILE                    per-name count, mean, min, max, last
   plot FILE --name N -o OUT     a line chart of a scalar series against step (needs matplotlib)
 """
@@ -9,12 +10,11 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
-import time
 
+from consumer.collector import add_collect_arguments, collect_command
 from consumer.sinks import StatsSink, format_table, scalar_series
-from consumer.stream import StreamReader, TapRecord, read_records
+from consumer.stream import TapRecord, follow_records, read_records
 from hostcallback.printing import format_metadata, format_value
 
 
@@ -30,17 +30,9 @@ def format_record(record: TapRecord) -> str:
 
 
 def tail(path: str, follow: bool, poll_seconds: float = 0.2, out=sys.stdout) -> None:
-    reader = StreamReader()
-    with open(path, "rb") as file:
-        while True:
-            chunk = file.read(1 << 20)
-            if chunk:
-                for record in reader.feed(chunk):
-                    print(format_record(record), file=out, flush=True)
-            elif follow:
-                time.sleep(poll_seconds)
-            else:
-                return
+    records = follow_records(path, poll_seconds) if follow else read_records(path)
+    for record in records:
+        print(format_record(record), file=out, flush=True)
 
 
 def stats(path: str) -> str:
@@ -86,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     collect = commands.add_parser("collect", help="gather streams from many processes")
-    collect.add_argument("--host", default="127.0.0.1")
-    collect.add_argument("--port", type=int, required=True)
-    collect.add_argument("--out", required=True)
+    add_collect_arguments(collect)
     tail_parser = commands.add_parser("tail", help="print a stream's records")
     tail_parser.add_argument("file")
     tail_parser.add_argument("--follow", "-f", action="store_true")
@@ -101,13 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "collect":
-        from consumer.collector import Collector
-
-        try:
-            asyncio.run(Collector(args.out).serve(args.host, args.port))
-        except KeyboardInterrupt:
-            pass
-        return 0
+        return collect_command(args)
     if args.command == "tail":
         try:
             tail(args.file, args.follow)

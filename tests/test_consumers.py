@@ -184,9 +184,10 @@ def test_socket_sink_waits_for_a_collector_that_starts_late_and_blocks_when_full
 
 def test_collector_keeps_complete_records_from_a_client_that_disconnects_mid_record(
         collector_server):
-    good = stream.dumps([TapRecord(name="a", value=np.arange(3)), TapRecord(name="b", value=1)],
-                        run="torn")
-    torn = stream.pack(TapRecord(name="c", value=np.arange(1000)).to_map())
+    good = stream.frame_item(stream.stream_header(run="torn", sender="raw", first=0)) + b"".join(
+        stream.frame_item(TapRecord(name=n, value=v).to_map()) for n, v in [("a", np.arange(3)),
+                                                                            ("b", 1)])
+    torn = stream.frame_item(TapRecord(name="c", value=np.arange(1000)).to_map())
     with socket.create_connection(("127.0.0.1", collector_server.port)) as client:
         client.sendall(good + torn[:100])
     sink = SocketSink("127.0.0.1", collector_server.port, run="torn")  # the server lives on

@@ -455,8 +455,9 @@ class CollectorThread:
         async def run() -> None:
             ready = asyncio.Event()
             self._task = asyncio.ensure_future(self.collector.serve(self.host, self.port, ready))
-            self._task.add_done_callback(lambda _: started.set())
-            await ready.wait()
+            waiting = asyncio.ensure_future(ready.wait())
+            await asyncio.wait([self._task, waiting], return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
             self.port = self.collector.port
             started.set()
             try:

@@ -303,8 +303,10 @@ class SocketSink(Sink):
         self.waits = 0
         self.wait_seconds = 0.0
         self.reconnects = 0
+        self.connect_failures = 0
         self.acknowledged = 0  # also the sequence number of the oldest unacknowledged record
         self.problem: str | None = None  # why the collector is not taking records, while it is not
+        self._flush_warned = False
         self._frames: list[bytes] = []  # unacknowledged, oldest first; the first _sent went out
         self._sent = 0
         self._buffered = 0
@@ -443,11 +445,14 @@ class SocketSink(Sink):
                                    *self.address)
                     with self._cond:
                         self.problem = None
+                        self._flush_warned = False
                 delay = 0.05
             except OSError as error:
                 if connection is not None:
                     connection.close()
                     self.reconnects += 1
+                else:
+                    self.connect_failures += 1
                 connection = None
                 refused = isinstance(error, _Refused)
                 self._report_problem(str(error) if refused else
@@ -483,8 +488,11 @@ class SocketSink(Sink):
     def flush_before(self, deadline: float | None) -> bool:
         """The flush after a barrier or at exit: waits until ``deadline`` (monotonic) at most, and
         at most ``flush_timeout``; says once what is still unacknowledged instead of raising."""
-        if self._wait_acknowledged(self._deadline(None, deadline)):
-            return True
+        if self._closed or self._wait_acknowledged(self._deadline(None, deadline)):
+            return not self.pending  # a closed sink already reported what it could not send
+        if self._flush_warned:  # once per outage: a barrier every step must not flood the log
+            return False
+        self._flush_warned = True
         logger.warning("SocketSink to %s:%d: %d records not acknowledged yet (%s); they stay "
                        "buffered and go out when the collector takes them, unless this process "
                        "exits first", *self.address, self.pending,

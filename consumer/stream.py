@@ -414,15 +414,43 @@ def read_stream(path: str | os.PathLike,
         yield from read_records(name, skipped)
 
 
+def _listing(path: str) -> list[tuple[str, int]] | None:
+    try:
+        return [(name, os.stat(name).st_ino) for name in stream_files(path)]
+    except FileNotFoundError:  # a rotation is renaming files right now
+        return None
+
+
+def _open_next(path: str, inode: int) -> BinaryIO:
+    """The file written after the one with ``inode``, once ``path`` rotated (maybe many times)."""
+    while True:
+        listing = _listing(path)
+        if listing is None or listing != _listing(path):  # only a listing that holds still
+            time.sleep(0.01)
+            continue
+        inodes = [number for _, number in listing]
+        # If ours was rotated away, every file left is newer: the oldest comes next.
+        index = inodes.index(inode) + 1 if inode in inodes else 0
+        name, expected = listing[min(index, len(listing) - 1)]
+        try:
+            file = open(name, "rb")  # noqa: SIM115 (the caller owns it)
+        except FileNotFoundError:
+            continue
+        if os.fstat(file.fileno()).st_ino == expected:
+            return file
+        file.close()
+
+
 def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
                    should_stop: Callable[[], bool] | None = None) -> Iterator[TapRecord]:
     """The records of a growing stream file, as they are written; follows rotation.
 
-    When FileSink rotates ``path`` to ``path.1``, the rest of the old file is read, then the new
-    ``path``. Damage is skipped and logged as in read_records. Ends when ``should_stop()`` is true.
+    When FileSink rotates ``path`` to ``path.1`` (once or many times between two looks), the rest
+    of the old file is read, then each newer file in turn. Damage is skipped and logged as in
+    read_records. Ends when ``should_stop()`` is true at the end of the data.
     """
     path = os.fspath(path)
-    file = open(path, "rb")  # noqa: SIM115
+    file = open(path, "rb")  # noqa: SIM115 (replaced as the stream rotates)
     reader = StreamReader(on_skip=_warn_skipped(path))
     try:
         while True:
@@ -435,12 +463,13 @@ def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
             except FileNotFoundError:  # between a rotation's rename and the new file
                 current = None
             opened = os.fstat(file.fileno())
-            if current is not None and (current.st_ino != opened.st_ino
-                                        or current.st_size < file.tell()):
-                yield from reader.finish()
+            if current is not None and current.st_ino != opened.st_ino:
+                chunk = file.read()  # a last write may have landed since
+                records = reader.feed(chunk) + reader.finish() if chunk else reader.finish()
+                yield from records
                 file.close()
-                file = open(path, "rb")  # noqa: SIM115
-                reader = StreamReader(on_skip=_warn_skipped(path))
+                file = _open_next(path, opened.st_ino)
+                reader = StreamReader(on_skip=_warn_skipped(file.name))
                 continue
             if should_stop is not None and should_stop():
                 return

@@ -119,7 +119,8 @@ def test_the_token_is_not_written_to_the_run_file(make_collector):
     sink = SocketSink("127.0.0.1", server.port, run="auth", token="s3cret-token")
     sink.emit(TapRecord(name="r", value=1))
     sink.close()
-    assert b"s3cret-token" not in open(server.collector.path_for("auth"), "rb").read()
+    with open(server.collector.path_for("auth"), "rb") as file:
+        assert b"s3cret-token" not in file.read()
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3"])

@@ -80,7 +80,8 @@ class TapRecord:
     source: str = ""  # set by the collector: which connection the record came through
 
     def to_map(self) -> dict[str, Any]:
-        fields = dataclasses.asdict(self)
+        # Not dataclasses.asdict: it deep-copies every value first (most of a record's cost).
+        fields = {name: getattr(self, name) for name in _RECORD_FIELDS}
         fields["value"] = encode_value(self.value)
         fields["metadata"] = encode_value(self.metadata)
         fields["transforms"] = [encode_value(t) for t in self.transforms]
@@ -94,6 +95,9 @@ class TapRecord:
         fields["metadata"] = decode_value(fields.get("metadata") or {})
         fields["transforms"] = [decode_value(t) for t in fields.get("transforms") or []]
         return cls(**fields)
+
+
+_RECORD_FIELDS = tuple(field.name for field in dataclasses.fields(TapRecord))  # "name" first
 
 
 def encode_value(value: Any) -> Any:

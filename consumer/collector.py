@@ -33,6 +33,7 @@ import os
 import re
 import shutil
 import signal
+import ssl
 import sys
 import threading
 import time
@@ -93,6 +94,13 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """A server context from a certificate chain and its key (PEM files), for Collector(tls=)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert_file, key_file)
+    return context
 
 
 def read_token(token_file: str | None = None) -> str | None:
@@ -166,8 +174,10 @@ class Collector:
     """Writes incoming records to per-run files; ``serve`` runs it until cancelled."""
 
     def __init__(self, out_dir: str | os.PathLike, *, token: str | None = None,
-                 limits: CollectorLimits | None = None, insecure: bool = False) -> None:
+                 limits: CollectorLimits | None = None, insecure: bool = False,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.out_dir = os.fspath(out_dir)
+        self.tls = tls  # a server context (tls_context()): clients then need SocketSink(tls_ca_file=)
         os.makedirs(self.out_dir, exist_ok=True)
         self.limits = limits or CollectorLimits()
         self.insecure = insecure
@@ -416,7 +426,8 @@ class Collector:
 
     async def serve(self, host: str, port: int, ready: asyncio.Event | None = None) -> None:
         self.check_bind(host)
-        server = await asyncio.start_server(self.handle, host, port, limit=_READ_BYTES)
+        server = await asyncio.start_server(self.handle, host, port, limit=_READ_BYTES,
+                                            ssl=self.tls)
         self.port = server.sockets[0].getsockname()[1]
         logger.info("collector: listening on %s:%d, writing to %s", host, self.port, self.out_dir)
         if ready is not None:
@@ -502,6 +513,9 @@ def add_collect_arguments(parser: argparse.ArgumentParser) -> None:
                                              f"${TOKEN_VARIABLE}); never printed")
     parser.add_argument("--insecure", action="store_true",
                         help="listen beyond loopback without a token")
+    parser.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS (senders pass "
+                                           "SocketSink(tls_ca_file=...))")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
     parser.add_argument("--max-record-bytes", type=int, default=defaults.max_record_bytes)
     parser.add_argument("--max-clients", type=int, default=defaults.max_clients)
     parser.add_argument("--max-open-runs", type=int, default=defaults.max_open_runs)
@@ -513,12 +527,16 @@ def collect_command(args: argparse.Namespace) -> int:
     """Serves until SIGINT or SIGTERM; prints the address at start and the counts at the end."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
+        if bool(args.tls_cert) != bool(args.tls_key):
+            raise CollectorConfigError("--tls-cert and --tls-key go together: pass both")
+        tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
         collector = Collector(args.out, token=read_token(args.token_file), insecure=args.insecure,
+                              tls=tls,
                               limits=CollectorLimits(args.max_record_bytes, args.max_clients,
                                                      args.max_open_runs, args.min_free_bytes,
                                                      args.stall_seconds))
         collector.check_bind(args.host)
-    except (CollectorConfigError, OSError) as error:
+    except (CollectorConfigError, OSError, ssl.SSLError) as error:
         print(f"collect: {error}", file=sys.stderr)
         return 2
 

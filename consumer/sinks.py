@@ -17,6 +17,7 @@ import math
 import os
 import select
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -273,6 +274,11 @@ def format_table(summary: dict[str, dict[str, float]]) -> str:
 # ---- sockets ---------------------------------------------------------------------------------
 
 
+# A send that makes no progress this long means the collector is gone without a word (a network
+# partition): the sink reconnects.
+_SEND_TIMEOUT = 60.0
+
+
 class _Refused(OSError):
     """The collector hung up on purpose and said why."""
 
@@ -291,8 +297,13 @@ class SocketSink(Sink):
 
     def __init__(self, host: str, port: int, *, run: str = "run", token: str | None = None,
                  max_buffered_bytes: int = 64 << 20, max_record_bytes: int = 4 << 20,
-                 connect_timeout: float = 5.0, flush_timeout: float = 30.0) -> None:
+                 connect_timeout: float = 5.0, flush_timeout: float = 30.0,
+                 tls_ca_file: str | os.PathLike | None = None) -> None:
         self.address = (host, port)
+        # TLS to a collector started with --tls-cert: its certificate must verify against this CA
+        # file and name ``host``.
+        self._tls = None if tls_ca_file is None else ssl.create_default_context(
+            cafile=os.fspath(tls_ca_file))
         self.run = run
         self.token = token if token is not None else os.environ.get(TOKEN_VARIABLE)
         self.sender = uuid.uuid4().hex  # the collector numbers this sink's records by this id
@@ -352,6 +363,9 @@ class SocketSink(Sink):
         connection = socket.create_connection(self.address, timeout=self.connect_timeout)
         try:
             connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                connection = self._tls.wrap_socket(connection, server_hostname=self.address[0])
+            connection.settimeout(_SEND_TIMEOUT)
             with self._cond:
                 self._sent = 0  # send everything not acknowledged again, numbered from here
                 first = self.acknowledged
@@ -368,7 +382,8 @@ class SocketSink(Sink):
     def _take_acknowledgements(self, connection: socket.socket, acks: bytearray,
                                on_connection: list[int], wait: float) -> None:
         """Reads what acknowledgements have arrived (waiting up to ``wait`` s for the first)."""
-        while select.select([connection], [], [], wait)[0]:
+        while (isinstance(connection, ssl.SSLSocket) and connection.pending()) or \
+                select.select([connection], [], [], wait)[0]:
             wait = 0
             chunk = connection.recv(1 << 16)
             if not chunk:

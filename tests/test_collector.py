@@ -3,6 +3,7 @@ bad clients, and the `collect` command."""
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,7 +14,12 @@ import numpy as np
 import pytest
 
 from consumer import SocketSink, TapRecord, read_records, stream
-from consumer.collector import CollectorConfigError, CollectorLimits, CollectorThread
+from consumer.collector import (
+    CollectorConfigError,
+    CollectorLimits,
+    CollectorThread,
+    tls_context,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -355,3 +361,38 @@ def test_collect_without_a_token_beyond_loopback_says_what_to_do(tmp_path, monke
                             text=True, timeout=60, check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "without a token" in result.stderr and "--insecure" in result.stderr
+
+
+# ---- TLS ----
+
+
+def self_signed(directory, name):
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a test certificate")
+    cert, key = directory / f"{name}.pem", directory / f"{name}.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return cert, key
+
+
+def test_a_sink_streams_over_tls_to_a_collector_with_a_certificate(make_collector, tmp_path):
+    cert, key = self_signed(tmp_path, "collector")
+    server = make_collector(tls=tls_context(str(cert), str(key)), token="t")
+    sink = SocketSink("127.0.0.1", server.port, run="tls", token="t", tls_ca_file=cert)
+    for i in range(5):
+        sink.emit(TapRecord(name="r", value=i))
+    assert sink.close() == 0
+    assert values_in(server.collector.path_for("tls")) == list(range(5))
+
+
+def test_a_sink_refuses_a_collector_whose_certificate_it_does_not_trust(make_collector, tmp_path):
+    cert, key = self_signed(tmp_path, "collector")
+    other, _ = self_signed(tmp_path, "other")
+    server = make_collector(tls=tls_context(str(cert), str(key)))
+    sink = SocketSink("127.0.0.1", server.port, run="tls", tls_ca_file=other)
+    sink.emit(TapRecord(name="r", value=1))
+    with pytest.raises(TimeoutError, match="CERTIFICATE_VERIFY_FAILED"):
+        sink.flush(timeout=2)
+    sink.close(timeout=0)
+    assert server.collector.records_written == 0

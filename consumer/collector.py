@@ -144,7 +144,7 @@ def scan_run_file(path: str) -> tuple[dict[str, int], int, bool]:
                 end = position + FRAME.size + length
                 with memoryview(data)[position + FRAME.size:min(end, size)] as payload:
                     intact = end <= size and zlib.crc32(payload) == crc
-                    if intact and not payload.tobytes().startswith(_RECORD_START, 1):
+                    if intact and bytes(payload[1:6]) != _RECORD_START:  # a header
                         header = _unpack(payload)
                         if isinstance(header, dict) and header.get("format") == FORMAT:
                             sender = header.get("sender")
@@ -559,6 +559,8 @@ def collect_command(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(run())
+    except KeyboardInterrupt:  # before the signal handlers were in place
+        pass
     except OSError as error:
         what = "address already in use" if error.errno in (98, 48) else error.strerror or error
         print(f"collect: cannot listen on {args.host}:{args.port}: {what} (another collector? "

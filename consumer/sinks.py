@@ -288,7 +288,7 @@ class SocketSink(Sink):
 
     Every record stays in the buffer until the collector acknowledges it; after a lost connection
     the sink reconnects with backoff and sends every unacknowledged record again, numbered, so the
-    collector drops the ones it has already written (docs/stream-format.md). The buffer holds at
+    collector drops the ones it has already written ("Record stream format"). The buffer holds at
     most ``max_buffered_bytes``; when it is full, ``emit`` waits (``waits`` and ``wait_seconds``
     count it) rather than dropping. No wait is unbounded by our own timeouts: a barrier's
     ``timeout``, HOSTCALLBACK_EXIT_TIMEOUT at exit, and ``flush_timeout`` otherwise. When the

@@ -1,8 +1,8 @@
-"""The record stream: tapped values as a versioned, framed msgpack stream, readable from any language.
+"""The record stream: tapped values as a versioned, framed msgpack stream, readable anywhere.
 
 A stream is a sequence of frames (version 2): a 4-byte sync marker, the payload's length and CRC-32,
 then one msgpack map. The first map is a header ``{"format": "hostcallback-stream", "version": 2,
-...}``; each following map is one tap record (docs/stream-format.md lists its keys). Arrays travel
+...}``; each following map is one tap record ("Record stream format" lists its keys). Arrays travel
 as ``{"__ndarray__": dtype name, "shape": [...], "data": raw bytes}``, so every dtype, bfloat16 and
 the other ml_dtypes included, round-trips bit for bit.
 

@@ -1,10 +1,14 @@
 """python -m consumer: collect streams, and read them (tail, stats, plot).
 
   collect --port P --out DIR        gather streams from many processes into DIR/<run>.hcbs
-  tail FILE [-n N] [--follow]       print records as id_print would (the last N with -n)
+                                    (--port 0: a free port; it prints its address)
+  tail FILE [-n N] [--follow]       print records as id_print would (the last N with -n;
+                                    --follow follows rotation)
   stats FILE...                     per-series count, mean, min, max, last; per source too
   plot FILE... --name N -o OUT      line charts of scalar series against step, one line per
                                     source; --name repeats and takes globs (needs matplotlib)
+
+A FILE stands for the stream and its rotated files (FILE.1, FILE.2, ...), read oldest first.
 
 `python -m consumer COMMAND --help` describes every option.
 """
@@ -12,16 +16,17 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
+import itertools
 import os
 import sys
-import time
 
+from consumer.collector import add_collect_arguments, collect_command
 from consumer.plotting import plot
 from consumer.series import source_of
 from consumer.sinks import StatsSink, format_table
-from consumer.stream import StreamFormatError, StreamReader, TapRecord, read_records
+from consumer.stream import (StreamFormatError, TapRecord, follow_records, read_records,
+                             read_stream)
 from hostcallback.printing import format_metadata, format_value
 
 
@@ -38,28 +43,20 @@ def format_record(record: TapRecord) -> str:
 
 def tail(path: str, follow: bool, poll_seconds: float = 0.2, out=sys.stdout,
          last: int | None = None) -> None:
-    """Prints a stream's records; with ``last``, only the last ``last`` records there are now
-    (and then, following, every new one)."""
-    reader = StreamReader()
-    backlog = None if last is None else collections.deque(maxlen=last)
-    with open(path, "rb") as file:
-        while True:
-            chunk = file.read(1 << 20)
-            if chunk:
-                for record in reader.feed(chunk):
-                    if backlog is not None:
-                        backlog.append(record)
-                    else:
-                        print(format_record(record), file=out, flush=True)
-                continue
-            if backlog is not None:  # the end of what is there now
-                for record in backlog:
-                    print(format_record(record), file=out, flush=True)
-                backlog = None
-            if follow:
-                time.sleep(poll_seconds)
-            else:
-                return
+    """Prints a stream's records, oldest first; with ``last``, only the last ``last`` there are
+    now. ``follow`` then prints every new record as it is written, across rotations."""
+    if not follow:
+        records = read_stream(path)
+        for record in records if last is None else collections.deque(records, maxlen=last):
+            print(format_record(record), file=out, flush=True)
+        return
+    records = follow_records(path, poll_seconds)  # from the start of the current file
+    if last is not None:  # the records there now: keep the last `last` of them
+        there_now = sum(1 for _ in read_records(path))
+        for record in collections.deque(itertools.islice(records, there_now), maxlen=last):
+            print(format_record(record), file=out, flush=True)
+    for record in records:
+        print(format_record(record), file=out, flush=True)
 
 
 def stats(paths: str | list[str]) -> str:
@@ -68,7 +65,7 @@ def stats(paths: str | list[str]) -> str:
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
     merged, per_source = StatsSink(), collections.defaultdict(StatsSink)
     for path in paths:
-        for record in read_records(path):
+        for record in read_stream(path):
             merged.emit(record)
             per_source[source_of(record)].emit(record)
     text = format_table(merged.summary())
@@ -116,13 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     collect = commands.add_parser("collect", help="gather streams from many processes",
                                   description="Serve until stopped (Ctrl-C), writing each run's "
                                   "records to OUT/<run>.hcbs.")
-    collect.add_argument("--host", default="127.0.0.1",
-                         help="address to listen on (default 127.0.0.1; 0.0.0.0 for every "
-                         "interface, as on a pod)")
-    collect.add_argument("--port", type=int, required=True,
-                         help="TCP port to listen on; SocketSink(host, port) sends to it")
-    collect.add_argument("--out", required=True,
-                         help="directory for the collected streams, one OUT/<run>.hcbs per run")
+    add_collect_arguments(collect)
     tail_parser = commands.add_parser("tail", help="print a stream's records",
                                       description="Print records as id_print would.")
     tail_parser.add_argument("file", help="a record stream (.hcbs) written by FileSink or "
@@ -161,13 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     if args.command == "collect":
-        from consumer.collector import Collector
-
-        try:
-            asyncio.run(Collector(args.out).serve(args.host, args.port))
-        except KeyboardInterrupt:
-            pass
-        return 0
+        return collect_command(args)
     if args.command == "tail":
         try:
             tail(args.file, args.follow, last=args.lines)

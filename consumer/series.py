@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from consumer.sinks import scalar_series
-from consumer.stream import TapRecord, read_records
+from consumer.stream import TapRecord, read_stream
 
 
 def source_of(record: TapRecord) -> str:
@@ -37,7 +37,7 @@ def read_series(paths: Iterable[str | os.PathLike]) -> dict[str, dict[str, Point
     """
     out: dict[str, dict[str, Points]] = {}
     for path in paths:
-        for record in read_records(path):
+        for record in read_stream(path):
             source = source_of(record)
             for name, value in scalar_series(record).items():
                 points = out.setdefault(name, {}).setdefault(source, Points([], []))

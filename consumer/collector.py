@@ -516,11 +516,20 @@ def add_collect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS (senders pass "
                                            "SocketSink(tls_ca_file=...))")
     parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    parser.add_argument("--max-record-bytes", type=int, default=defaults.max_record_bytes)
-    parser.add_argument("--max-clients", type=int, default=defaults.max_clients)
-    parser.add_argument("--max-open-runs", type=int, default=defaults.max_open_runs)
-    parser.add_argument("--min-free-bytes", type=int, default=defaults.min_free_bytes)
-    parser.add_argument("--stall-seconds", type=float, default=defaults.stall_seconds)
+    parser.add_argument("--max-record-bytes", type=int, default=defaults.max_record_bytes,
+                        help="largest record accepted; a sender of a bigger one is told why and "
+                             "dropped (default %(default)s)")
+    parser.add_argument("--max-clients", type=int, default=defaults.max_clients,
+                        help="connections served at once; more are refused (default %(default)s)")
+    parser.add_argument("--max-open-runs", type=int, default=defaults.max_open_runs,
+                        help="run files kept open; the least recently used is closed and "
+                             "reopened on demand (default %(default)s)")
+    parser.add_argument("--min-free-bytes", type=int, default=defaults.min_free_bytes,
+                        help="free disk below which no record is taken, senders wait "
+                             "(default %(default)s)")
+    parser.add_argument("--stall-seconds", type=float, default=defaults.stall_seconds,
+                        help="a sender silent this long mid-record is dropped "
+                             "(default %(default)s)")
 
 
 def collect_command(args: argparse.Namespace) -> int:

@@ -235,13 +235,14 @@ class ReceiverPool:
                        - self._delivered[k] for k in self._threads)
 
     def _at_exit(self) -> None:
-        if not self.started:
-            self._run_flush_hooks()
-            return
         timeout = config.settings.exit_timeout_s
         start = time.monotonic()
+        deadline = start + timeout
+        if not self.started:
+            self._run_flush_hooks(deadline)
+            return
         undelivered = self.stop(timeout=timeout)
-        self._run_flush_hooks()
+        self._run_flush_hooks(deadline)
         self._failure_log.flush()
         if undelivered:
             logger.warning("hostcallback: %d tap records were not delivered before exit (waited "
@@ -350,10 +351,11 @@ class ReceiverPool:
                 "barrier_wait() was called while tracing (inside jit, vmap, grad, ...); it waits "
                 "on the host for taps and cannot be part of a computation. Call it after the "
                 "computation, outside any transformation.")
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self.started:
             self._raise_if_dead()
             self._wait_for_markers(logging_name, timeout)
-        self._run_flush_hooks()
+        self._run_flush_hooks(deadline)
         self._failure_log.flush(force=False)
         if raise_errors:
             self._raise_failures()
@@ -363,9 +365,15 @@ class ReceiverPool:
         (sinks that buffer use it so that a barrier also means 'on disk')."""
         self._flush_hooks.add(owner)
 
-    def _run_flush_hooks(self) -> None:
+    def _run_flush_hooks(self, deadline: float | None = None) -> None:
+        """Flushes every hook; one that can bound its wait (``flush_before``, e.g. SocketSink)
+        gets the caller's deadline (monotonic), so a barrier's timeout and exit bound it too."""
         for owner in list(self._flush_hooks):
             try:
+                flush_before = getattr(owner, "flush_before", None)
+                if flush_before is not None:
+                    flush_before(deadline)
+                    continue
                 owner.flush()
             except Exception:
                 logger.exception("hostcallback: flushing %r failed", owner)
@@ -472,7 +480,8 @@ class ReceiverPool:
             self._first_failure, self._last_failure, self._failure_count = None, None, 0
         if first is None:
             return
-        message = f"{count} tap consumer call(s) raised since the last barrier_wait; first: " \
+        message = "There were exceptions during callback processing. " \
+                  f"{count} tap consumer call(s) raised since the last barrier_wait; first: " \
                   f"{first.describe()}"
         if count > 1:
             message += f"; last: {last.describe()}"

@@ -52,10 +52,13 @@ def collector(tap_records):
     return Collector(tap_records)
 
 
-def run_python(code: str, *, devices: int = 4, env: dict | None = None, timeout: float = 240):
-    """Runs code in a fresh interpreter (for exit and stop behaviour); returns the process."""
+def run_python(code: str, *, devices: int = 4, env: dict | None = None, timeout: float = 240,
+               cwd=None):
+    """Runs code in a fresh interpreter (for exit and stop behaviour, and the docs' samples)
+    in ``cwd`` (default: this one); returns the process."""
     full_env = dict(os.environ)
     full_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=timeout, env=full_env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=False,
+                          capture_output=True,
+                          text=True, timeout=timeout, env=full_env, cwd=cwd)

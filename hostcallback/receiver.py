@@ -1,7 +1,8 @@
 """The host side: one receiver thread per local device drains its outfeed queue and calls consumers.
 
 Threads start lazily, the first time a tap is traced. Each waits in C++ with the GIL released,
-decodes records (wire.py), and calls the registered consumer; records of one device are handled
+takes a batch of records already decoded in C++ (numpy views of the records; barrier markers
+never reach Python as records), and calls the registered consumer; records of one device are handled
 one at a time, in the order the device produced them. A consumer that raises anything, even
 SystemExit or KeyboardInterrupt, is logged and remembered; later records still flow, and the next
 barrier_wait raises CallbackException (a KeyboardInterrupt is passed on to the main thread
@@ -40,7 +41,12 @@ from hostcallback.registry import BARRIER_MARKER_ID, ConsumerRegistry, registry
 logger = logging.getLogger("hostcallback")
 
 _DRAIN_RECORDS = 1024
-_DRAIN_BYTES = 64 << 20
+# A batch holds at most this many bytes (or one larger record): large records go one a batch,
+# so each returns to the buffer pool as soon as it is delivered.
+_DRAIN_BYTES = 1 << 20
+# After the first record of a batch, drain() waits this long for more (not for a call or a
+# barrier marker): under load a receiver wakes once per batch, and a lone tap is this late.
+_COALESCE_SECONDS = 0.0002
 _POLL_SECONDS = 0.25
 _SUMMARY_SECONDS = 1.0  # repeated failures of one consumer are summarised at most this often
 _DRAIN_RETRY_SECONDS = 0.05
@@ -90,12 +96,16 @@ class RecordContext:
     consumer_id: int
 
 
-_current = threading.local()
+_current = threading.local()  # per receiver: .device, and .record while a consumer runs
 
 
 def current_record() -> RecordContext | None:
-    """Inside a tap consumer: the record it was called for; elsewhere None."""
-    return getattr(_current, "record", None)
+    """Inside a tap consumer: the record it was called for; elsewhere None. Built only when
+    asked, from the decoded record the receiver holds."""
+    record = getattr(_current, "record", None)
+    if record is None:
+        return None
+    return RecordContext(_current.device, record[2], record[0])
 
 
 class _Failure:
@@ -261,18 +271,26 @@ class ReceiverPool:
             self._local.is_receiver = True
             platform, ordinal = key
             device = self._devices[key]
+            _current.device = device
             while True:
                 try:
-                    batch = outfeed.drain(ordinal, _DRAIN_RECORDS, _DRAIN_BYTES, _POLL_SECONDS,
-                                          platform=platform)
+                    batch, markers = outfeed.drain(ordinal, _DRAIN_RECORDS, _DRAIN_BYTES,
+                                                   _POLL_SECONDS, platform=platform,
+                                                   coalesce_s=_COALESCE_SECONDS)
                 except Exception as error:  # noqa: BLE001 - e.g. MemoryError: records stay queued
                     self._record_failure("receiver", "drain()", device, error)
                     time.sleep(_DRAIN_RETRY_SECONDS)
                     continue
-                for raw in batch:
-                    self._deliver(key, device, raw)
+                if batch:
+                    self._deliver(key, device, batch)
+                if markers or batch:
+                    with self._lock:
+                        self._delivered[key] += len(batch) + len(markers)
+                        if markers:
+                            self._markers[key].update(markers)
+                            self._marker_seen.notify_all()
                 # The queues are closed before _stopping is set, so an empty batch means done.
-                if not batch and self._stopping.is_set():
+                elif self._stopping.is_set():
                     return
                 del batch
         except BaseException as error:  # noqa: BLE001 - reported through _receiver_died
@@ -299,44 +317,46 @@ class ReceiverPool:
             self._first_failure = self._first_failure or failure
             self._last_failure = failure
 
-    def _deliver(self, key: QueueKey, device: Any, raw: np.ndarray) -> None:
-        platform, ordinal = key
-        consumer_name = "<undecodable record>"
-        record = None
-        try:
-            record = wire.decode_record(raw)
-            if record.consumer_id == BARRIER_MARKER_ID:
-                with self._lock:
-                    self._markers[key].add(int(record.arrays[0]))
-                    self._marker_seen.notify_all()
-                return
-            consumer = self._consumers.get(record.consumer_id)
-            consumer_name = consumer.name or getattr(consumer.func, "__name__", repr(consumer.func))
-            _current.record = RecordContext(device, record.sequence, record.consumer_id)
+    def _deliver(self, key: QueueKey, device: Any, batch: list) -> None:
+        """Calls the consumer of each record of a batch, in order. The per-record path is a
+        dict lookup, an unflatten and the call: the records come decoded from C++, the
+        consumer's context is built only if it asks (current_record()), and the delivered
+        count is kept per batch by the caller."""
+        consumers = self._consumers.by_id
+        current = _current
+        for record in batch:  # (consumer_id, device, sequence, flags, arrays)
             try:
-                result = consumer.call(list(record.arrays), device)
-            finally:
-                _current.record = None
-            if record.expects_response:
-                outfeed.respond(ordinal, record.sequence, results.result_leaves(consumer, result),
-                                platform=platform)
-        except BaseException as error:  # noqa: BLE001 - nothing a consumer raises stops us
-            is_call = record is not None and record.expects_response
-            if is_call:
-                # The device is waiting: fail its call with the reason, keep the process alive.
-                # That is where the failure is reported, once: not again at the next barrier.
-                outfeed.respond_error(ordinal, record.sequence,
-                                      f"hostcallback call consumer {consumer_name} failed: "
-                                      f"{type(error).__name__}: {error}", platform=platform)
-            if isinstance(error, KeyboardInterrupt):
-                _thread.interrupt_main()  # the user pressed Ctrl-C: the main thread must see it
-            self._record_failure("call" if is_call else "tap consumer", consumer_name, device,
-                                 error, report_at_barrier=not is_call
-                                 and not isinstance(error, KeyboardInterrupt),
-                                 consumer_id=None if record is None else record.consumer_id)
-        finally:
-            with self._lock:
-                self._delivered[key] += 1
+                consumer = consumers.get(record[0]) or self._consumers.get(record[0])
+                current.record = record
+                result = consumer.call(record[4], device)
+                current.record = None
+                if record[3] & wire.FLAG_EXPECTS_RESPONSE:
+                    outfeed.respond(key[1], record[2], results.result_leaves(consumer, result),
+                                    platform=key[0])
+            except BaseException as error:  # noqa: BLE001 - nothing a consumer raises stops us
+                current.record = None
+                self._consumer_failed(key, device, record, error)
+
+    def _consumer_failed(self, key: QueueKey, device: Any, record: tuple,
+                         error: BaseException) -> None:
+        platform, ordinal = key
+        consumer_id, _, sequence, flags, _ = record
+        consumer = self._consumers.by_id.get(consumer_id)
+        consumer_name = (f"<unknown consumer {consumer_id}>" if consumer is None else
+                         consumer.name or getattr(consumer.func, "__name__", repr(consumer.func)))
+        is_call = bool(flags & wire.FLAG_EXPECTS_RESPONSE)
+        if is_call:
+            # The device is waiting: fail its call with the reason, keep the process alive.
+            # That is where the failure is reported, once: not again at the next barrier.
+            outfeed.respond_error(ordinal, sequence,
+                                  f"hostcallback call consumer {consumer_name} failed: "
+                                  f"{type(error).__name__}: {error}", platform=platform)
+        if isinstance(error, KeyboardInterrupt):
+            _thread.interrupt_main()  # the user pressed Ctrl-C: the main thread must see it
+        self._record_failure("call" if is_call else "tap consumer", consumer_name, device,
+                             error, report_at_barrier=not is_call
+                             and not isinstance(error, KeyboardInterrupt),
+                             consumer_id=consumer_id)
 
     # ---- barrier ----
 

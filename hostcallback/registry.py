@@ -111,6 +111,11 @@ class ConsumerRegistry:
             self._by_id[consumer_id] = consumer
             return consumer_id
 
+    @property
+    def by_id(self) -> dict[int, Consumer]:
+        """The live id -> consumer map, for the receivers' per-record lookup (read it only)."""
+        return self._by_id
+
     def get(self, consumer_id: int) -> Consumer:
         try:
             return self._by_id[consumer_id]

@@ -32,6 +32,10 @@
 #include <utility>
 #include <vector>
 
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <Python.h>
+#include <numpy/arrayobject.h>
+
 #include "nanobind/nanobind.h"
 #include "nanobind/ndarray.h"
 #include "nanobind/stl/string.h"
@@ -69,52 +73,91 @@ void Put(uint8_t* at, T value) {
 }
 
 // A record's bytes, 64-byte aligned. Its size lives here, outside the bytes, so that nothing
-// written into a record can change how much memory is returned (or reused) for it.
+// written into a record can change how much memory is returned (or reused) for it. capacity is
+// what was allocated (a pool size class), size what the record uses and the budget counts.
 struct Record {
   uint8_t* data = nullptr;
   size_t size = 0;
+  size_t capacity = 0;
+  bool urgent = false;  // a call or a barrier marker: its queue wakes the receiver at once
 };
 
 std::atomic<uint64_t> g_max_queue_bytes{256ull << 20};
+// The most bytes one drained batch may hold (the last drain's max_bytes, capped at the budget).
+std::atomic<uint64_t> g_batch_bytes{0};
 
 // Recycles large record buffers. A fresh multi-megabyte allocation is a new mapping whose pages
-// fault in on first touch, which costs more than the copy itself; taps in a loop reuse one size.
-// It holds at most min(64 MiB, the queue budget): the pool is part of the memory bound.
+// fault in on first touch, which costs more than the copy itself. Buffers of 64 KiB and up come
+// in size classes (four per power of two, so at most 25 % slack), and a buffer is kept while
+// the pooled buffers in use and free together stay within one budget plus one drained batch:
+// what the queue and a receiver's batch can hold at once. So a steady stream of large taps
+// always hits, and the pool adds nothing to the memory bound (docs/reliability.md).
 class BufferPool {
  public:
   static constexpr size_t kMinPooledBytes = 64 << 10;
-  static constexpr size_t kMaxPooledBytes = 64 << 20;
 
-  uint8_t* Get(size_t size) {
-    if (size >= kMinPooledBytes) {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto it = free_.begin(); it != free_.end(); ++it) {
-        if (it->second == size) {
-          uint8_t* data = it->first;
-          pooled_bytes_ -= size;
-          free_.erase(it);
-          return data;
-        }
-      }
-    }
-    return static_cast<uint8_t*>(std::aligned_alloc(kAlignment, size));
+  // The size class a request of `size` bytes is served from (size itself below the pool).
+  static size_t ClassOf(size_t size) {
+    if (size < kMinPooledBytes) return size;
+    size_t power = kMinPooledBytes;
+    while (power * 2 <= size && power < (size_t{1} << 62)) power *= 2;
+    const size_t step = power / 4;
+    return (size + step - 1) / step * step;
   }
 
-  void Put(uint8_t* data, size_t size) noexcept {
-    if (size >= kMinPooledBytes) {
+  // Returns null when out of memory; *capacity is what was allocated.
+  uint8_t* Get(size_t size, size_t* capacity) {
+    const size_t wanted = ClassOf(size);
+    *capacity = wanted;
+    if (wanted >= kMinPooledBytes) {
       std::lock_guard<std::mutex> lock(mu_);
-      const uint64_t cap =
-          std::min<uint64_t>(kMaxPooledBytes, g_max_queue_bytes.load(std::memory_order_relaxed));
-      if (pooled_bytes_ + size <= cap && free_.size() < free_.capacity()) {
-        free_.emplace_back(data, size);  // never reallocates: capacity reserved below
-        pooled_bytes_ += size;
-        return;
+      auto found = free_.find(wanted);
+      if (found != free_.end() && !found->second.empty()) {
+        uint8_t* data = found->second.back();
+        found->second.pop_back();
+        pooled_bytes_ -= wanted;
+        in_use_bytes_ += wanted;
+        hits_ += 1;
+        return data;
+      }
+      misses_ += 1;
+      in_use_bytes_ += wanted;  // counted before the allocation, undone below if it fails
+    }
+    auto* data = static_cast<uint8_t*>(std::aligned_alloc(kAlignment, wanted));
+    if (data == nullptr && wanted >= kMinPooledBytes) {
+      std::lock_guard<std::mutex> lock(mu_);
+      in_use_bytes_ -= wanted;
+    }
+    return data;
+  }
+
+  void Put(uint8_t* data, size_t capacity) noexcept {
+    if (capacity >= kMinPooledBytes) {
+      std::lock_guard<std::mutex> lock(mu_);
+      in_use_bytes_ -= capacity;
+      const uint64_t cap = g_max_queue_bytes.load(std::memory_order_relaxed) +
+                           g_batch_bytes.load(std::memory_order_relaxed);
+      if (in_use_bytes_ + pooled_bytes_ + capacity <= cap) {
+        try {
+          free_[capacity].push_back(data);
+          pooled_bytes_ += capacity;
+          return;
+        } catch (...) {  // no memory for the bookkeeping: free the buffer instead
+        }
       }
     }
     std::free(data);
   }
 
-  BufferPool() { free_.reserve(kMaxPooledBytes / kMinPooledBytes); }
+  nb::dict Stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    nb::dict d;
+    d["pooled_bytes"] = pooled_bytes_;
+    d["in_use_bytes"] = in_use_bytes_;
+    d["hits"] = hits_;
+    d["misses"] = misses_;
+    return d;
+  }
 
   uint64_t PooledBytes() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -123,16 +166,17 @@ class BufferPool {
 
  private:
   std::mutex mu_;
-  std::vector<std::pair<uint8_t*, size_t>> free_;
-  size_t pooled_bytes_ = 0;
+  std::unordered_map<size_t, std::vector<uint8_t*>> free_;  // size class -> free buffers
+  uint64_t pooled_bytes_ = 0, in_use_bytes_ = 0, hits_ = 0, misses_ = 0;
 };
 
 // Never destroyed (see the rules at the top).
 BufferPool& g_pool = *new BufferPool();
 
-void ReleaseRecord(const Record& record) noexcept { g_pool.Put(record.data, record.size); }
+void ReleaseRecord(const Record& record) noexcept { g_pool.Put(record.data, record.capacity); }
 
 constexpr uint16_t kFlagExpectsResponse = 1;  // a `call`: the device waits for the host's answer
+constexpr uint64_t kBarrierMarkerId = 0;       // registry.BARRIER_MARKER_ID
 
 // Builds the record; every byte that is not a field or an array element is zero (padding
 // included), so a recycled buffer never carries an earlier record's bytes. Throws bad_alloc.
@@ -146,7 +190,7 @@ Record EncodeRecord(uint64_t consumer_id, uint32_t device, const std::vector<Arr
   size = AlignUp(std::max<size_t>(size, kAlignment));
 
   Record r;
-  r.data = g_pool.Get(size);
+  r.data = g_pool.Get(size, &r.capacity);
   if (r.data == nullptr) throw std::bad_alloc();
   r.size = size;
   std::memset(r.data, 0, header);
@@ -202,6 +246,7 @@ struct QueueStats {
   uint64_t bytes_queued = 0, peak_bytes_queued = 0;
   uint64_t waits = 0, wait_ns = 0;
   uint64_t producers_waiting = 0;
+  uint64_t batches = 0;  // non-empty drains: records_delivered / batches is the mean batch
 };
 
 class DeviceQueue;
@@ -314,13 +359,16 @@ class DeviceQueue {
  public:
   // Returns the record's sequence number, or -1 when the queue was closed (receiver stopped).
   // A `call` record registers for its answer before any receiver can see it.
-  int64_t Push(Record record, bool expects_response) {
+  // `urgent` (a call or a barrier marker) wakes a coalescing receiver at once.
+  int64_t Push(Record record, bool expects_response, bool urgent) {
     std::unique_lock<std::mutex> lock(mu_);
     const uint64_t ticket = next_ticket_++;
     auto admitted = [&] { return closed_ || (ticket <= admitted_ && Fits(record.size)); };
     if (!admitted()) {
       auto start = std::chrono::steady_clock::now();
       stats_.producers_waiting += 1;
+      // A receiver that is gathering a batch must not keep a full queue waiting.
+      if (receiver_waiting_) not_empty_.notify_all();
       not_full_.wait(lock, admitted);
       stats_.producers_waiting -= 1;
       stats_.waits += 1;
@@ -333,42 +381,62 @@ class DeviceQueue {
     const uint64_t sequence = next_sequence_++;
     if (expects_response) g_responses.Expect({this, sequence});
     Put<uint64_t>(record.data + kSequenceOffset, sequence);
+    record.urgent = urgent;
     records_.push_back(record);
     stats_.records_enqueued += 1;
     stats_.bytes_enqueued += record.size;
     stats_.bytes_queued += record.size;
     stats_.peak_bytes_queued = std::max(stats_.peak_bytes_queued, stats_.bytes_queued);
+    if (urgent) urgent_queued_ += 1;
+    // Wake the receiver only when it sleeps and, while it gathers a batch, only when the batch
+    // is ready: under load a receiver wakes once per batch, not once per record.
+    const bool wake = receiver_waiting_ && (!coalescing_ || BatchReady());
     const bool others_wait = stats_.producers_waiting > 0;
     lock.unlock();
-    not_empty_.notify_one();
+    if (wake) not_empty_.notify_one();
     if (others_wait) not_full_.notify_all();  // the next in line may fit now
     return static_cast<int64_t>(sequence);
   }
 
   // Waits up to timeout_s for a record, then takes records up to the given limits (at least
-  // one when any is queued). A closed queue still hands out what it holds. Never loses a
-  // record: the output is reserved before any record leaves the queue.
-  std::vector<Record> Pop(size_t max_records, size_t max_bytes, double timeout_s) {
+  // one when any is queued). With coalesce_s > 0 it then waits up to that long for a fuller
+  // batch, unless a call or barrier marker is queued, a producer waits for room or the batch is
+  // full already: a lone record is late by at most coalesce_s. A closed queue still hands out
+  // what it holds. Never loses a record: the output is reserved before any leaves the queue.
+  std::vector<Record> Pop(size_t max_records, size_t max_bytes, double timeout_s,
+                          double coalesce_s = 0) {
     std::vector<Record> out;
     std::unique_lock<std::mutex> lock(mu_);
+    batch_records_ = std::max<size_t>(max_records, 1);
+    batch_bytes_ = std::max<size_t>(max_bytes, 1);
     if (records_.empty() && !closed_) {
       auto ready = [&] { return closed_ || !records_.empty(); };
+      receiver_waiting_ = true;
       if (WaitsForever(timeout_s)) {
         not_empty_.wait(lock, ready);
       } else {
         not_empty_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready);
       }
+      if (coalesce_s > 0 && !records_.empty() && !BatchReady()) {
+        coalescing_ = true;
+        not_empty_.wait_for(lock, std::chrono::duration<double>(coalesce_s),
+                            [&] { return BatchReady(); });
+        coalescing_ = false;
+      }
+      receiver_waiting_ = false;
     }
     out.reserve(std::min(max_records, records_.size()));
     size_t bytes = 0;
     while (!records_.empty() && out.size() < max_records && (out.empty() || bytes < max_bytes)) {
       out.push_back(records_.front());
       bytes += records_.front().size;
+      if (records_.front().urgent) urgent_queued_ -= 1;
       records_.pop_front();
     }
     stats_.records_delivered += out.size();
     stats_.bytes_delivered += bytes;
     stats_.bytes_queued -= bytes;
+    stats_.batches += out.empty() ? 0 : 1;
     lock.unlock();
     if (!out.empty()) not_full_.notify_all();
     return out;
@@ -416,6 +484,12 @@ class DeviceQueue {
   }
 
  private:
+  // A batch worth waking the receiver for (called under mu_).
+  bool BatchReady() const {
+    return closed_ || urgent_queued_ > 0 || stats_.producers_waiting > 0 ||
+           records_.size() >= batch_records_ || stats_.bytes_queued >= batch_bytes_;
+  }
+
   bool Fits(size_t size) const {
     return stats_.bytes_queued == 0 ||
            stats_.bytes_queued + size <= g_max_queue_bytes.load(std::memory_order_relaxed);
@@ -427,6 +501,8 @@ class DeviceQueue {
   uint64_t next_sequence_ = 0;
   uint64_t next_ticket_ = 0, admitted_ = 0;
   bool closed_ = false;
+  bool receiver_waiting_ = false, coalescing_ = false;
+  size_t urgent_queued_ = 0, batch_records_ = 1, batch_bytes_ = 1;
   std::string failure_;
   QueueStats stats_;
 };
@@ -472,7 +548,9 @@ std::string Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id,
                     const std::vector<ArrayView>& arrays, uint16_t flags = 0,
                     uint64_t* sequence = nullptr) {
   Record record = EncodeRecord(consumer_id, static_cast<uint32_t>(device), arrays, flags);
-  const int64_t pushed = queue->Push(record, (flags & kFlagExpectsResponse) != 0);
+  const bool expects_response = (flags & kFlagExpectsResponse) != 0;
+  const int64_t pushed = queue->Push(record, expects_response,
+                                     expects_response || consumer_id == kBarrierMarkerId);
   if (pushed < 0) {
     ReleaseRecord(record);
     return queue->ClosedReason();
@@ -628,8 +706,8 @@ DeviceQueue* CheckedQueue(const std::string& platform, int device) {
 // Hands each record out as a read-only array owning it. Exception-safe: a record is owned by
 // its capsule once wrapped; if wrapping one fails, it and every later record go back to the
 // pool before the error propagates, so nothing leaks and the caller sees the error.
-nb::list Drain(int device, size_t max_records, size_t max_bytes, double timeout_s,
-               const std::string& platform) {
+nb::list DrainRaw(int device, size_t max_records, size_t max_bytes, double timeout_s,
+                  const std::string& platform) {
   if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) throw nb::value_error(bad.c_str());
   DeviceQueue* queue = CheckedQueue(platform, device);
   // A batch in Python counts toward the memory bound: never more than one budget of bytes.
@@ -658,6 +736,169 @@ nb::list Drain(int device, size_t max_records, size_t max_bytes, double timeout_
     for (; next < records.size(); ++next) ReleaseRecord(records[next]);
     throw;
   }
+}
+
+// ---- decoded drain ----------------------------------------------------------------------------
+
+// numpy dtype objects by wire code, taken once from hostcallback.wire.DTYPE_BY_CODE (the one
+// table of codes) and kept for the life of the process.
+PyArray_Descr* g_dtypes[256] = {};
+bool g_dtypes_loaded = false;
+
+void LoadDtypes() {
+  if (g_dtypes_loaded) return;
+  nb::dict table = nb::borrow<nb::dict>(nb::module_::import_("hostcallback.wire").attr("DTYPE_BY_CODE"));
+  for (auto [code, dtype] : table) {
+    const int c = nb::cast<int>(code);
+    if (c < 0 || c > 255) throw std::runtime_error("wire dtype code out of range");
+    PyArray_Descr* descr = nullptr;
+    if (!PyArray_DescrConverter(dtype.ptr(), &descr)) throw nb::python_error();
+    g_dtypes[c] = descr;  // a new reference, kept forever
+  }
+  g_dtypes_loaded = true;
+}
+
+// Owns drained records until the last array viewing them is gone, then returns them.
+struct RecordOwner {
+  std::vector<Record> records;
+  ~RecordOwner() {
+    for (const Record& r : records) ReleaseRecord(r);
+  }
+};
+
+nb::object CapsuleFor(std::unique_ptr<RecordOwner> owner) {
+  nb::capsule capsule(owner.get(), [](void* p) noexcept { delete static_cast<RecordOwner*>(p); });
+  owner.release();
+  return capsule;
+}
+
+template <typename T>
+T Get(const uint8_t* at) {
+  T value;
+  std::memcpy(&value, at, sizeof(T));
+  return value;
+}
+
+// The arrays of one record, as read-only numpy views whose base is `owner`. The record was
+// built by EncodeRecord, so its layout is known good; counts are still checked against the
+// record's size so that a bug can never read outside it.
+nb::list ArraysOf(const Record& r, PyObject* owner) {
+  const uint32_t count = Get<uint32_t>(r.data + 20);
+  const size_t header = Get<uint32_t>(r.data + 32);
+  nb::list arrays = nb::steal<nb::list>(PyList_New(count));
+  if (!arrays.is_valid()) throw nb::python_error();
+  size_t at = kFixedHeaderBytes, offset = header;
+  npy_intp dims[64];
+  for (uint32_t i = 0; i < count; ++i) {
+    if (at + kDescriptorBytes > header) throw std::runtime_error("corrupt record header");
+    const uint8_t code = r.data[at];
+    const uint16_t ndim = Get<uint16_t>(r.data + at + 2);
+    const uint64_t byte_size = Get<uint64_t>(r.data + at + 8);
+    if (ndim > 64 || at + kDescriptorBytes + 8 * ndim > header) {
+      throw std::runtime_error("corrupt record header");
+    }
+    for (uint16_t d = 0; d < ndim; ++d) {
+      dims[d] = static_cast<npy_intp>(Get<int64_t>(r.data + at + kDescriptorBytes + 8 * d));
+    }
+    at += kDescriptorBytes + 8 * ndim;
+    offset = AlignUp(offset);
+    if (byte_size > r.size - std::min(offset, r.size)) {
+      throw std::runtime_error("corrupt record: an array runs past its end");
+    }
+    PyArray_Descr* descr = g_dtypes[code];
+    if (descr == nullptr) throw std::runtime_error("record with an unknown dtype code");
+    Py_INCREF(descr);  // stolen by PyArray_NewFromDescr
+    PyObject* array = PyArray_NewFromDescr(&PyArray_Type, descr, ndim, dims, nullptr,
+                                           r.data + offset, NPY_ARRAY_C_CONTIGUOUS, nullptr);
+    if (array == nullptr) throw nb::python_error();
+    PyArray_CLEARFLAGS(reinterpret_cast<PyArrayObject*>(array), NPY_ARRAY_WRITEABLE);
+    Py_INCREF(owner);  // stolen by PyArray_SetBaseObject, even when it fails
+    if (PyArray_SetBaseObject(reinterpret_cast<PyArrayObject*>(array), owner) < 0) {
+      Py_DECREF(array);
+      throw nb::python_error();
+    }
+    PyList_SET_ITEM(arrays.ptr(), i, array);
+    offset += byte_size;
+  }
+  return arrays;
+}
+
+// Waits like drain_raw(), then decodes in C++: returns (records, markers) where each record is
+// (consumer_id, device, sequence, flags, [arrays]) in queue order and markers holds the values
+// of the barrier markers of this batch (they never reach Python as records). Records under
+// 64 KiB share one owner per batch; larger ones get an owner each, so a large record returns to
+// the pool as soon as its arrays are dropped. Exception-safe like drain_raw().
+nb::tuple Drain(int device, size_t max_records, size_t max_bytes, double timeout_s,
+                const std::string& platform, double coalesce_s) {
+  if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) throw nb::value_error(bad.c_str());
+  if (std::isnan(coalesce_s) || coalesce_s < 0 || coalesce_s > 1) {
+    throw nb::value_error("coalesce_s must be between 0 and 1 second");
+  }
+  DeviceQueue* queue = CheckedQueue(platform, device);
+  LoadDtypes();  // before any record leaves the queue
+  max_bytes = std::min<uint64_t>(max_bytes, g_max_queue_bytes.load());
+  g_batch_bytes.store(max_bytes, std::memory_order_relaxed);
+  std::vector<Record> records;
+  {
+    nb::gil_scoped_release release;
+    records = queue->Pop(max_records, max_bytes, timeout_s, coalesce_s);
+  }
+  // Hand every record to an owner (or back to the pool) before any Python object is made.
+  std::vector<uint64_t> markers;
+  std::unique_ptr<RecordOwner> small(new (std::nothrow) RecordOwner());
+  std::vector<std::unique_ptr<RecordOwner>> large;
+  std::vector<std::pair<Record, size_t>> order;  // record, owner index (0: small, i+1: large[i])
+  try {
+    if (!small) throw std::bad_alloc();
+    small->records.reserve(records.size());
+    order.reserve(records.size());
+    large.reserve(records.size());
+    markers.reserve(records.size());
+  } catch (...) {
+    for (const Record& r : records) ReleaseRecord(r);
+    throw;
+  }
+  size_t next = 0;
+  try {
+    for (; next < records.size(); ++next) {
+      const Record& r = records[next];
+      if (Get<uint64_t>(r.data + 8) == kBarrierMarkerId) {
+        const size_t header = Get<uint32_t>(r.data + 32);
+        const uint64_t value = header + 8 <= r.size ? Get<uint64_t>(r.data + header) : 0;
+        ReleaseRecord(r);
+        markers.push_back(value);  // reserved: cannot throw
+        continue;
+      }
+      if (r.capacity >= BufferPool::kMinPooledBytes) {
+        std::unique_ptr<RecordOwner> own(new RecordOwner());
+        own->records.push_back(r);  // owned from here on
+        large.push_back(std::move(own));
+        order.emplace_back(r, large.size());
+      } else {
+        small->records.push_back(r);
+        order.emplace_back(r, 0);
+      }
+    }
+  } catch (...) {
+    // Only making a large record's owner can throw, before it owns the record: records before
+    // `next` are owned (or released), this one and the rest go back now.
+    for (size_t i = next; i < records.size(); ++i) ReleaseRecord(records[i]);
+    throw;
+  }
+  std::vector<nb::object> owners;
+  owners.reserve(large.size() + 1);
+  owners.push_back(small->records.empty() ? nb::none() : CapsuleFor(std::move(small)));
+  for (auto& own : large) owners.push_back(CapsuleFor(std::move(own)));
+  nb::list out;
+  for (const auto& [r, index] : order) {
+    nb::list arrays = ArraysOf(r, owners[index].ptr());
+    out.append(nb::make_tuple(Get<uint64_t>(r.data + 8), Get<uint32_t>(r.data + 16),
+                              Get<uint64_t>(r.data + kSequenceOffset), Get<uint16_t>(r.data + 6),
+                              std::move(arrays)));
+  }
+  nb::list marker_list;
+  for (uint64_t m : markers) marker_list.append(m);
+  return nb::make_tuple(out, marker_list);
 }
 
 // The callback transport's way in: the same record, built from host arrays.
@@ -736,6 +977,7 @@ nb::dict StatsOf(int device, const std::string& platform) {
   d["waits"] = s.waits;
   d["wait_seconds"] = static_cast<double>(s.wait_ns) * 1e-9;
   d["producers_waiting"] = s.producers_waiting;
+  d["batches"] = s.batches;
   d["calls_waiting"] = calls_waiting;
   d["answers_unclaimed"] = answers_unclaimed;
   return d;
@@ -769,6 +1011,7 @@ void SetMaxQueueBytes(uint64_t n) {
 
 NB_MODULE(_hostcallback_outfeed, m) {
   m.doc() = "hostcallback's native outfeed queues and XLA FFI handlers";
+  if (_import_array() < 0) throw nb::python_error();
   m.def("registrations", []() {
     nb::dict d;
     d["hostcallback_tap"] = nb::capsule(reinterpret_cast<void*>(HostcallbackTap));
@@ -776,10 +1019,16 @@ NB_MODULE(_hostcallback_outfeed, m) {
     return d;
   });
   m.def("drain", &Drain, nb::arg("device"), nb::arg("max_records"), nb::arg("max_bytes"),
+        nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform, nb::arg("coalesce_s") = 0.0,
+        "Waits (GIL released) up to timeout_s (0 or inf: forever) for records of one device, "
+        "then up to coalesce_s more for a fuller batch (not when a call or barrier marker is "
+        "queued); returns (records, markers): records as (consumer_id, device, sequence, "
+        "flags, [read-only zero-copy numpy arrays]) in queue order, markers as the values of "
+        "the batch's barrier markers. max_bytes is capped at the queue budget.");
+  m.def("drain_raw", &DrainRaw, nb::arg("device"), nb::arg("max_records"), nb::arg("max_bytes"),
         nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
-        "Waits (GIL released) up to timeout_s (0 or inf: forever) for records of one device; "
-        "returns a list of read-only uint8 arrays, one a record, each owning its memory. "
-        "max_bytes is capped at the queue budget.");
+        "Like drain, undecoded: a list of read-only uint8 arrays, one a record, each owning its "
+        "memory (for hostcallback.wire.decode_record, the reference decoder).");
   m.def("enqueue", &EnqueueFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),
         nb::arg("platform") = kNativePlatform,
         "Appends one record built from (dtype_code, dims, bytes) leaves; waits while the queue is full.");
@@ -804,7 +1053,9 @@ NB_MODULE(_hostcallback_outfeed, m) {
   m.def("set_max_queue_bytes", &SetMaxQueueBytes, nb::arg("max_queue_bytes"));
   m.def("max_queue_bytes", []() { return g_max_queue_bytes.load(); });
   m.def("pooled_bytes", []() { return g_pool.PooledBytes(); },
-        "Bytes of record buffers kept for reuse (at most min(64 MiB, the budget)).");
+        "Bytes of free record buffers kept for reuse.");
+  m.def("pool_stats", []() { return g_pool.Stats(); },
+        "The buffer pool: pooled_bytes (free), in_use_bytes, hits and misses (64 KiB and up).");
   m.attr("NATIVE_PLATFORM") = kNativePlatform;
   m.attr("WIRE_VERSION") = kVersion;
 }

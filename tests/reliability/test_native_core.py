@@ -42,7 +42,7 @@ def poll(condition, timeout=30.0):
 
 
 def drain_one(device):
-    (raw,) = outfeed.drain(device, 1, 1 << 30, 5.0, platform=PLATFORM)
+    (raw,) = outfeed.drain_raw(device, 1, 1 << 30, 5.0, platform=PLATFORM)
     return raw
 
 
@@ -94,7 +94,7 @@ def test_queues_are_keyed_by_platform_and_id():
     assert outfeed.stats(device, platform=PLATFORM)["records_enqueued"] == 1
     assert outfeed.stats(device, platform="other")["records_enqueued"] == 0
     assert outfeed.stats(device)["records_enqueued"] == 0  # ("cpu", id) is another queue
-    assert outfeed.drain(device, 10, 1 << 20, 0.001, platform="other") == []
+    assert outfeed.drain_raw(device, 10, 1 << 20, 0.001, platform="other") == []
     assert wire.decode_record(drain_one(device)).arrays[0] == 5
 
 
@@ -202,7 +202,7 @@ def test_a_negative_nan_or_zero_timeout_is_a_clear_error(timeout):
 @pytest.mark.parametrize("timeout", [-1.0, math.nan])
 def test_the_core_refuses_negative_and_nan_timeouts(timeout):
     with pytest.raises(ValueError, match="timeout"):
-        outfeed.drain(fresh_queue(), 1, 1, timeout, platform=PLATFORM)
+        outfeed.drain_raw(fresh_queue(), 1, 1, timeout, platform=PLATFORM)
     with pytest.raises(ValueError, match="timeout"):
         outfeed.call(fresh_queue(), 1, [], timeout, platform=PLATFORM)
 
@@ -224,7 +224,7 @@ def test_a_record_larger_than_the_budget_is_not_overtaken_by_small_ones():
         poll(lambda: outfeed.stats(device, platform=PLATFORM)["producers_waiting"] == 2)
         order = []
         while len(order) < 3:
-            for raw in outfeed.drain(device, 10, 1 << 30, 5.0, platform=PLATFORM):
+            for raw in outfeed.drain_raw(device, 10, 1 << 30, 5.0, platform=PLATFORM):
                 order.append(int(wire.decode_record(raw).arrays[0][0]))
         large.join(30)
         small.join(30)
@@ -244,6 +244,6 @@ def test_a_drained_batch_never_holds_more_than_the_budget():
     for _ in range(8):
         outfeed.enqueue(device, 1, [leaf(np.zeros(16 << 10, np.uint8))], platform=PLATFORM)
     with config.override(max_queue_bytes=40 << 10):
-        batch = outfeed.drain(device, 100, 1 << 30, 1.0, platform=PLATFORM)
+        batch = outfeed.drain_raw(device, 100, 1 << 30, 1.0, platform=PLATFORM)
     assert sum(r.size for r in batch) <= (40 << 10) + batch[-1].size
     assert len(batch) < 8

@@ -1,22 +1,44 @@
 """Per-tap cost of hostcallback against jax.debug.callback and io_callback, in one run.
 
-Two workloads, each a jitted fori_loop that taps its carry every step:
-  small: 100,000 steps tapping a 4-byte float32
-  large:   1,000 steps tapping a 4 MiB float32 array
+Three workloads, each a fori_loop that taps its carry every step:
+  small: 100,000 steps tapping a 4-byte float32 (jit, one device)
+  large:   1,000 steps tapping a 4 MiB float32 array (jit, one device), plus a memcpy row:
+           numpy copying 4 MiB into a reused buffer, the floor for a tap that copies once
+  pmap:   25,000 steps tapping a 4-byte float32 on each of --devices CPU devices
 Each runs with no tap, hostcallback's native transport, its callback transport,
 jax.debug.callback and jax.experimental.io_callback, all delivering to a trivial consumer.
 
   overhead us/tap  (time until the computation finished - the same loop without taps) / taps
-  taps/s, MB/s     taps and bytes handled by the consumer per second, until the last was handled
+  records/s, MB/s  taps and bytes handled by the consumer per second, until the last was handled
+  us/step          (pmap) time per loop step until every device's tap was handled
   vs debug         jax.debug.callback's overhead divided by this one's (higher is better)
 
-Usage: python bench/tap_overhead.py [--small-steps N] [--large-steps N] [--repeats R]
+Usage: python bench/tap_overhead.py [--small-steps N] [--large-steps N] [--pmap-steps N]
+                                    [--devices D] [--repeats R]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
+
+
+def _force_devices(argv: list[str]) -> None:
+    """The CPU device count must be set before jax is imported."""
+    count = "4"
+    for i, arg in enumerate(argv):
+        if arg == "--devices" and i + 1 < len(argv):
+            count = argv[i + 1]
+        elif arg.startswith("--devices="):
+            count = arg.split("=", 1)[1]
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+
+
+_force_devices(sys.argv[1:])
 
 import jax
 import jax.numpy as jnp
@@ -58,12 +80,15 @@ def wait_for_delivery(kind: str) -> None:
         jax.effects_barrier()
 
 
-def measure(kind: str, steps: int, shape: tuple[int, ...], repeats: int) -> dict:
+def measure(kind: str, steps: int, shape: tuple[int, ...], repeats: int,
+            devices: int = 0) -> dict:
+    """devices=0: jit on one device; devices=D: pmap over D devices, each tapping every step."""
     counter = Counter()
     with hcb.config.override(transport=kind if kind in ("native", "callback") else None):
         tap = tapper(kind, counter)
-        loop = jax.jit(lambda x: lax.fori_loop(0, steps, lambda i, c: tap(c + 1), x))
-        x = jnp.zeros(shape, jnp.float32)
+        body = (lambda x: lax.fori_loop(0, steps, lambda i, c: tap(c + 1), x))
+        loop = jax.pmap(body) if devices else jax.jit(body)
+        x = jnp.zeros((devices, *shape) if devices else shape, jnp.float32)
         loop(x).block_until_ready()  # compile and warm up
         wait_for_delivery(kind)
         best_compute, best_delivered = float("inf"), float("inf")
@@ -76,7 +101,7 @@ def measure(kind: str, steps: int, shape: tuple[int, ...], repeats: int) -> dict
             delivered = time.perf_counter() - start
             best_compute = min(best_compute, computed)
             best_delivered = min(best_delivered, delivered)
-    expected = 0 if kind == "none" else steps
+    expected = 0 if kind == "none" else steps * max(devices, 1)
     if counter.taps != expected:
         raise AssertionError(f"{kind}: {counter.taps} taps delivered, expected {expected}")
     return {"compute_s": best_compute, "delivered_s": best_delivered, "taps": counter.taps,
@@ -86,33 +111,68 @@ def measure(kind: str, steps: int, shape: tuple[int, ...], repeats: int) -> dict
 KINDS = ("none", "native", "callback", "debug.callback", "io_callback")
 
 
-def run_workload(name: str, steps: int, shape: tuple[int, ...], repeats: int) -> dict:
-    results = {kind: measure(kind, steps, shape, repeats) for kind in KINDS}
+def memcpy_seconds(steps: int, nbytes: int, repeats: int) -> float:
+    """Best time for `steps` copies of nbytes into one reused buffer (numpy, one thread)."""
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(steps):
+            np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def run_workload(name: str, steps: int, shape: tuple[int, ...], repeats: int,
+                 devices: int = 0, kinds=KINDS) -> dict:
+    results = {kind: measure(kind, steps, shape, repeats, devices) for kind in kinds}
     base = results["none"]["compute_s"]
-    overheads = {k: max(r["compute_s"] - base, 1e-12) / steps for k, r in results.items()}
+    taps = steps * max(devices, 1)
+    overheads = {k: max(r["compute_s"] - base, 1e-12) / taps for k, r in results.items()}
     tap_bytes = int(np.prod(shape)) * 4
-    print(f"\n{name}: {steps:,} steps tapping {tap_bytes:,} bytes each "
+    where = f"pmap over {devices} devices" if devices else "jit, one device"
+    print(f"\n{name}: {steps:,} steps tapping {tap_bytes:,} bytes each, {where} "
           f"(loop without taps: {base * 1e3:.1f} ms)")
-    print(f"{'transport':<16}{'overhead us/tap':>17}{'taps/s':>12}{'MB/s':>10}{'vs debug':>10}")
-    for kind in KINDS[1:]:
+    print(f"{'transport':<16}{'overhead us/tap':>17}{'records/s':>12}{'MB/s':>10}"
+          f"{'us/step':>10}{'vs debug':>10}")
+    for kind in kinds[1:]:
         r = results[kind]
         ratio = overheads["debug.callback"] / overheads[kind]
         print(f"{kind:<16}{overheads[kind] * 1e6:>17.3f}{r['taps'] / r['delivered_s']:>12,.0f}"
-              f"{r['bytes'] / r['delivered_s'] / 1e6:>10,.1f}{ratio:>9.1f}x")
-    return {"overhead_us": {k: v * 1e6 for k, v in overheads.items()}, "results": results}
+              f"{r['bytes'] / r['delivered_s'] / 1e6:>10,.1f}"
+              f"{r['delivered_s'] / steps * 1e6:>10.2f}{ratio:>9.1f}x")
+    out = {"overhead_us": {k: v * 1e6 for k, v in overheads.items()}, "results": results}
+    if tap_bytes >= 1 << 20:
+        copy = memcpy_seconds(steps, tap_bytes, repeats) / steps
+        native = overheads["native"]
+        print(f"{'memcpy (numpy)':<16}{copy * 1e6:>17.3f}{1 / copy:>12,.0f}"
+              f"{tap_bytes / copy / 1e6:>10,.1f}")
+        print(f"native tap speed / memcpy speed: {copy / native:.0%} (memcpy time / tap overhead)")
+        out["memcpy_us"] = copy * 1e6
+    return out
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small-steps", type=int, default=100_000)
     parser.add_argument("--large-steps", type=int, default=1_000)
+    parser.add_argument("--pmap-steps", type=int, default=25_000)
+    parser.add_argument("--devices", type=int, default=4,
+                        help="CPU devices for the pmap workload (forced before jax starts)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
-          f"{jax.local_device_count()} local device(s)")
+          f"{jax.local_device_count()} local device(s), {os.cpu_count()} CPU core(s)")
     small = run_workload("small", args.small_steps, (), args.repeats)
     large = run_workload("large", args.large_steps, (1 << 20,), args.repeats)
-    return {"small": small, "large": large}
+    out = {"small": small, "large": large}
+    if jax.local_device_count() > 1:
+        # io_callback is left out: it refuses to run under pmap on several devices.
+        out["pmap"] = run_workload("pmap", args.pmap_steps, (), args.repeats,
+                                   devices=jax.local_device_count(),
+                                   kinds=("none", "native", "callback", "debug.callback"))
+    return out
 
 
 if __name__ == "__main__":

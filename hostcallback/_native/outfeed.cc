@@ -60,9 +60,12 @@ constexpr size_t kRecordSizeOffset = 40;
 
 size_t AlignUp(size_t n) { return (n + kAlignment - 1) / kAlignment * kAlignment; }
 
+// One array to copy into a record. dims points at the caller's dimensions (the FFI buffer's or
+// the host leaf's), valid for the duration of the enqueue: no allocation per array.
 struct ArrayView {
   uint8_t dtype;
-  std::vector<int64_t> dims;
+  const int64_t* dims;
+  size_t ndim;
   const void* data;
   uint64_t byte_size;
 };
@@ -183,7 +186,7 @@ constexpr uint64_t kBarrierMarkerId = 0;       // registry.BARRIER_MARKER_ID
 Record EncodeRecord(uint64_t consumer_id, uint32_t device, const std::vector<ArrayView>& arrays,
                     uint16_t flags = 0) {
   size_t header = kFixedHeaderBytes;
-  for (const ArrayView& a : arrays) header += kDescriptorBytes + 8 * a.dims.size();
+  for (const ArrayView& a : arrays) header += kDescriptorBytes + 8 * a.ndim;
   header = AlignUp(header);
   size_t size = header;
   for (const ArrayView& a : arrays) size = AlignUp(size) + a.byte_size;
@@ -208,10 +211,10 @@ Record EncodeRecord(uint64_t consumer_id, uint32_t device, const std::vector<Arr
   size_t offset = header;
   for (const ArrayView& a : arrays) {
     Put<uint8_t>(at + 0, a.dtype);
-    Put<uint16_t>(at + 2, static_cast<uint16_t>(a.dims.size()));
+    Put<uint16_t>(at + 2, static_cast<uint16_t>(a.ndim));
     Put<uint64_t>(at + 8, a.byte_size);
-    for (size_t i = 0; i < a.dims.size(); ++i) Put<int64_t>(at + 16 + 8 * i, a.dims[i]);
-    at += kDescriptorBytes + 8 * a.dims.size();
+    for (size_t i = 0; i < a.ndim; ++i) Put<int64_t>(at + 16 + 8 * i, a.dims[i]);
+    at += kDescriptorBytes + 8 * a.ndim;
     const size_t aligned = AlignUp(offset);
     if (aligned > offset) std::memset(r.data + offset, 0, aligned - offset);
     offset = aligned;
@@ -579,9 +582,8 @@ ffi::Error CollectArrays(ffi::RemainingArgs& args, std::vector<ArrayView>* out) 
     ffi::AnyBuffer buffer = arg.value();
     if (buffer.element_type() == ffi::DataType::TOKEN) continue;
     auto dims = buffer.dimensions();
-    out->push_back(ArrayView{static_cast<uint8_t>(buffer.element_type()),
-                             std::vector<int64_t>(dims.begin(), dims.end()),
-                             buffer.untyped_data(), buffer.size_bytes()});
+    out->push_back(ArrayView{static_cast<uint8_t>(buffer.element_type()), dims.begin(),
+                             dims.size(), buffer.untyped_data(), buffer.size_bytes()});
   }
   return ffi::Error::Success();
 }
@@ -611,7 +613,9 @@ ffi::Error TapImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_de
       return ffi::Error::Internal("hostcallback: negative device ordinal " +
                                   std::to_string(device_ordinal));
     }
-    std::vector<ArrayView> arrays;
+    // Reused per device thread: a tap allocates nothing but its record.
+    thread_local std::vector<ArrayView> arrays;
+    arrays.clear();
     if (ffi::Error error = CollectArrays(args, &arrays); error.failure()) return error;
     std::string problem =
         Enqueue(NativeQueueFor(device_ordinal), device_ordinal, consumer_id, arrays);
@@ -907,7 +911,8 @@ using HostLeaves = std::vector<std::tuple<int, std::vector<int64_t>, ReadOnlyByt
 std::vector<ArrayView> ViewsOf(const HostLeaves& leaves) {
   std::vector<ArrayView> arrays;
   for (const auto& [dtype, dims, bytes] : leaves) {
-    arrays.push_back(ArrayView{static_cast<uint8_t>(dtype), dims, bytes.data(), bytes.size()});
+    arrays.push_back(ArrayView{static_cast<uint8_t>(dtype), dims.data(), dims.size(),
+                               bytes.data(), bytes.size()});
   }
   return arrays;
 }

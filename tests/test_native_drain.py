@@ -1,0 +1,177 @@
+"""drain() decodes in C++: records as wire.py would decode them, markers apart, memory released.
+
+Most tests drive queues of a platform no receiver drains ("decoded"), so each owns its queue;
+the last ones watch the receivers deliver real taps.
+"""
+
+import itertools
+import threading
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import lax
+
+import hostcallback as hcb
+from hostcallback import wire
+from hostcallback._native import outfeed
+from hostcallback.registry import BARRIER_MARKER_ID
+
+PLATFORM = "decoded"
+_next_device = itertools.count(0)
+
+
+def fresh_queue() -> int:
+    return next(_next_device)
+
+
+def leaf(array):
+    array = np.asarray(array, order="C")
+    return wire.dtype_code(array.dtype), list(array.shape), array.reshape(-1).view(np.uint8)
+
+
+def drain(device, max_records=100, max_bytes=1 << 30):
+    return outfeed.drain(device, max_records, max_bytes, 5.0, platform=PLATFORM)
+
+
+ARRAY_SETS = [
+    [np.float32(1.5)],
+    [np.arange(7, dtype=np.int16).reshape(7, 1), np.zeros((0, 3), np.float64)],
+    [np.ones(5, np.bool_), np.arange(6, dtype=ml_dtypes.bfloat16).reshape(2, 3),
+     np.full((2, 2), -1, np.int64), np.arange(4, dtype=np.complex64)],
+    [np.arange(40_000, dtype=np.float32)],  # 160 KB: a pooled record with an owner of its own
+]
+
+
+@pytest.mark.parametrize("arrays", ARRAY_SETS)
+def test_drain_decodes_a_record_as_the_reference_decoder_does(arrays):
+    device = fresh_queue()
+    outfeed.enqueue(device, 7, [leaf(a) for a in arrays], platform=PLATFORM)
+    (records, markers) = drain(device)
+    assert markers == []
+    ((consumer_id, got_device, sequence, flags, got),) = records
+    reference = wire.decode_record(wire.encode_record(7, device, 0, arrays))
+    assert (consumer_id, got_device, sequence, flags) == (
+        reference.consumer_id, reference.device, reference.sequence, reference.flags)
+    assert len(got) == len(reference.arrays)
+    for mine, theirs in zip(got, reference.arrays):
+        assert mine.dtype == theirs.dtype and mine.shape == theirs.shape
+        np.testing.assert_array_equal(mine, theirs)
+
+
+def test_records_keep_their_queue_order_and_sequence_numbers():
+    device = fresh_queue()
+    for i in range(5):
+        outfeed.enqueue(device, 3, [leaf(np.int32(i))], platform=PLATFORM)
+    records, _ = drain(device)
+    assert [int(r[4][0]) for r in records] == [0, 1, 2, 3, 4]
+    assert [r[2] for r in records] == [0, 1, 2, 3, 4]
+
+
+def test_barrier_markers_come_back_apart_and_never_as_records():
+    device = fresh_queue()
+    outfeed.enqueue(device, 3, [leaf(np.int32(1))], platform=PLATFORM)
+    outfeed.enqueue(device, BARRIER_MARKER_ID, [leaf(np.uint64(42))], platform=PLATFORM)
+    outfeed.enqueue(device, 3, [leaf(np.int32(2))], platform=PLATFORM)
+    records, markers = drain(device)
+    assert markers == [42]
+    assert [int(r[4][0]) for r in records] == [1, 2]
+
+
+def test_decoded_arrays_are_read_only_and_cannot_be_made_writable():
+    device = fresh_queue()
+    outfeed.enqueue(device, 3, [leaf(np.arange(4, dtype=np.int32))], platform=PLATFORM)
+    ((*_, (array,)),), _ = drain(device)
+    assert not array.flags.writeable
+    with pytest.raises(ValueError):
+        array[0] = 9
+    with pytest.raises(ValueError):
+        array.flags.writeable = True
+
+
+def test_small_records_of_a_batch_share_one_owner():
+    device = fresh_queue()
+    for i in range(3):
+        outfeed.enqueue(device, 3, [leaf(np.int32(i))], platform=PLATFORM)
+    records, _ = drain(device)
+    owners = {id(r[4][0].base) for r in records}
+    assert len(owners) == 1
+
+
+def test_a_large_record_goes_back_to_the_pool_as_soon_as_its_arrays_are_dropped():
+    device = fresh_queue()
+    big = np.ones(1 << 18, np.float32)  # 1 MiB
+    outfeed.enqueue(device, 3, [leaf(big)], platform=PLATFORM)
+    outfeed.enqueue(device, 3, [leaf(np.int32(0))], platform=PLATFORM)
+    records, _ = drain(device)
+    held = outfeed.pool_stats()["in_use_bytes"]
+    large = records[0][4][0]
+    del records
+    assert outfeed.pool_stats()["in_use_bytes"] == held  # still viewed: still in use
+    np.testing.assert_array_equal(large, big)
+    del large
+    assert outfeed.pool_stats()["in_use_bytes"] <= held - big.nbytes
+
+
+def test_a_pooled_buffer_is_reused_for_a_record_of_the_same_size_class():
+    device = fresh_queue()
+    for size in (300_000, 310_000):  # different sizes, one class
+        outfeed.enqueue(device, 3, [leaf(np.zeros(size // 4, np.float32))], platform=PLATFORM)
+        records, _ = drain(device)
+        del records
+    before = outfeed.pool_stats()
+    outfeed.enqueue(device, 3, [leaf(np.zeros(305_000 // 4, np.float32))], platform=PLATFORM)
+    after = outfeed.pool_stats()
+    assert after["hits"] == before["hits"] + 1 and after["misses"] == before["misses"]
+    drain(device)
+
+
+@pytest.mark.parametrize("coalesce_s", [-1.0, float("nan"), 5.0])
+def test_a_bad_coalescing_window_is_refused(coalesce_s):
+    with pytest.raises(ValueError, match="coalesce_s"):
+        outfeed.drain(fresh_queue(), 1, 1, 0.001, platform=PLATFORM, coalesce_s=coalesce_s)
+
+
+def test_drain_waits_for_more_records_only_within_its_coalescing_window():
+    device = fresh_queue()
+    outfeed.enqueue(device, 3, [leaf(np.int32(1))], platform=PLATFORM)
+    records, _ = outfeed.drain(device, 100, 1 << 20, 5.0, platform=PLATFORM, coalesce_s=0.001)
+    assert len(records) == 1  # a lone record comes out alone after the window, not never
+
+
+@pytest.mark.timeout(60)
+def test_a_lone_tap_is_delivered_without_a_barrier():
+    delivered = threading.Event()
+    jax.jit(lambda x: hcb.id_tap(lambda arg, transforms: delivered.set(), x))(jnp.int32(1))
+    assert delivered.wait(timeout=30)  # generous: the behaviour, not its speed (bench/)
+
+
+@pytest.mark.timeout(120)
+def test_under_load_a_receiver_takes_records_in_batches():
+    seen = []
+    before = hcb.queue_stats()[jax.devices()[0]]
+    jax.jit(lambda x: lax.fori_loop(0, 20_000, lambda i, c: hcb.id_tap(
+        lambda arg, transforms: seen.append(int(arg)), c + 1), x))(jnp.int32(0))
+    hcb.barrier_wait()
+    after = hcb.queue_stats()[jax.devices()[0]]
+    assert seen == list(range(1, 20_001))
+    records = after["records_delivered"] - before["records_delivered"]
+    batches = after["batches"] - before["batches"]
+    assert batches * 4 <= records, (batches, records)
+
+
+@pytest.mark.timeout(60)
+def test_a_consumer_asking_for_its_record_gets_device_and_sequence():
+    got = []
+
+    def consumer(arg, transforms):
+        record = hcb.current_record()
+        got.append((record.device, record.sequence, int(arg)))
+
+    jax.jit(lambda x: hcb.id_tap(consumer, x))(jnp.int32(5))
+    hcb.barrier_wait()
+    ((device, sequence, value),) = got
+    assert device == jax.devices()[0] and value == 5 and isinstance(sequence, int)
+    assert hcb.current_record() is None

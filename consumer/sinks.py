@@ -38,7 +38,7 @@ from consumer.stream import (
     frame_item,
     stream_header,
 )
-from hostcallback.receiver import receivers
+from hostcallback.receiver import current_record, receivers
 
 logger = logging.getLogger("hostcallback.sinks")
 
@@ -56,10 +56,16 @@ class Sink:
         self.flush()
 
 
-def _process_index() -> int:
-    import jax
+_process = None  # this process's index, asked of jax once: by the first record, jax is set up
 
-    return jax.process_index()
+
+def _process_index() -> int:
+    global _process
+    if _process is None:
+        import jax
+
+        _process = jax.process_index()
+    return _process
 
 
 class SinkTap:
@@ -73,6 +79,7 @@ class SinkTap:
         self.name = name
         self.metadata = metadata
         self._host = socket.gethostname()
+        self._devices: dict[Any, tuple[str, int]] = {}
 
     def _key(self):
         return (tuple(map(id, self.sinks)), self.name, repr(sorted(self.metadata.items())))
@@ -84,18 +91,29 @@ class SinkTap:
         return hash(self._key())
 
     def __call__(self, arg, transforms, device=None) -> None:
-        context = hostcallback.current_record()
+        context = current_record()
         step = arg.get("step") if isinstance(arg, dict) else None
+        if step is not None:
+            step = int(step) if getattr(step, "ndim", 1) == 0 else \
+                int(np.asarray(step).reshape(-1)[0])
+        if context is None:
+            device_name, device_id, sequence = "", -1, -1
+        else:
+            device_name, device_id = self._device_fields(context.device)
+            sequence = context.sequence
         record = TapRecord(
-            name=self.name, value=arg, metadata=dict(self.metadata),
-            step=None if step is None else int(np.asarray(step).reshape(-1)[0]),
-            process=_process_index(), host=self._host,
-            device=str(context.device) if context else "",
-            device_id=getattr(context.device, "id", -1) if context else -1,
-            sequence=context.sequence if context else -1, time=time.time(),
-            transforms=list(transforms))
+            name=self.name, value=arg, metadata=dict(self.metadata), step=step,
+            process=_process_index(), host=self._host, device=device_name, device_id=device_id,
+            sequence=sequence, time=time.time(), transforms=list(transforms))
         for sink in self.sinks:
             sink.emit(record)
+
+    def _device_fields(self, device) -> tuple[str, int]:
+        """str(device) and its id, once per device (str of a jax Device is not free)."""
+        fields = self._devices.get(device)
+        if fields is None:
+            fields = self._devices[device] = (str(device), getattr(device, "id", -1))
+        return fields
 
 
 def tap_to(sinks: Iterable[Sink], arg: Any, *, name: str, ordered: bool | None = None,
@@ -238,12 +256,25 @@ def scalar_series(record: TapRecord) -> dict[str, float]:
                 visit(f"{prefix}[{index}]", item)
         else:
             array = np.asarray(value)
-            if array.size and np.issubdtype(array.dtype, np.number) \
-                    and not np.iscomplexobj(array) or array.size and array.dtype.kind == "V":
-                out[prefix] = float(array.astype(np.float64).mean())
+            if array.size and _is_series_dtype(array.dtype):
+                out[prefix] = float(array.reshape(-1)[0]) if array.size == 1 else \
+                    float(array.astype(np.float64).mean())
 
     visit(record.name, record.value)
     return out
+
+
+_SERIES_DTYPES: dict[np.dtype, bool] = {}  # np.issubdtype costs microseconds a call
+
+
+def _is_series_dtype(dtype: np.dtype) -> bool:
+    """Real numbers (and the ml_dtypes floats, kind "V") make series; complex and others not."""
+    known = _SERIES_DTYPES.get(dtype)
+    if known is None:
+        known = _SERIES_DTYPES[dtype] = (
+            np.issubdtype(dtype, np.number) and not np.issubdtype(dtype, np.complexfloating)
+            or dtype.kind == "V")
+    return known
 
 
 class StatsSink(Sink):

@@ -100,11 +100,30 @@ class TapRecord:
 _RECORD_FIELDS = tuple(field.name for field in dataclasses.fields(TapRecord))  # "name" first
 
 
+_DTYPE_NAMES: dict[np.dtype, str] = {}  # dtype.name costs microseconds; records repeat dtypes
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = dtype.name
+    return name
+
+
 def encode_value(value: Any) -> Any:
     """A pytree of arrays, numbers, strings and containers as msgpack-ready data."""
+    kind = type(value)
+    # Exact-type fast paths for what taps deliver (arrays in str-keyed dicts); tobytes() is
+    # C order whatever the layout, so an ndarray needs no copy first.
+    if kind is np.ndarray:
+        return {_ARRAY: _dtype_name(value.dtype), "shape": list(value.shape),
+                "data": value.tobytes()}
+    if kind is dict and all(type(k) is str for k in value):
+        return {k: encode_value(v) for k, v in value.items()}
     if isinstance(value, (np.ndarray, np.generic)):
         array = np.asarray(value, order="C")
-        return {_ARRAY: array.dtype.name, "shape": list(array.shape), "data": array.tobytes()}
+        return {_ARRAY: _dtype_name(array.dtype), "shape": list(array.shape),
+                "data": array.tobytes()}
     if isinstance(value, tuple):
         return {_TUPLE: [encode_value(v) for v in value]}
     if isinstance(value, list):

@@ -159,7 +159,7 @@ print(json.dumps({{"sum": float(out.sum())}}))
                           "over several devices waits for the host (docs/architecture.md, JAX "
                           "inside consumers); if this passes, update the docs")
 def test_a_heavier_computation_in_a_call_function_under_a_sharded_jit_hangs():
-    run_python(HEAVY_JAX_UNDER_SHARDED_JIT.format(), devices=4, timeout=30)
+    run_python(HEAVY_JAX_UNDER_SHARDED_JIT.format(), devices=4, timeout=20)
 
 
 GUIDE = pathlib.Path(__file__).parent.parent / "docs" / "architecture.md"

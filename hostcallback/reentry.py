@@ -23,5 +23,5 @@ def refuse_inside_consumer(what: str) -> None:
         "thread that empties its queue and answers its calls, so a computation started from it "
         "that calls the host, or taps into a full queue, waits for itself forever. Do the work "
         "with numpy inside the consumer, or hand the values to your own thread (a "
-        "queue.Queue) and run the JAX computation there; see 'JAX inside consumers' in "
-        "docs/architecture.md.")
+        "queue.Queue) and run the JAX computation there; see 'JAX inside consumers' in the "
+        "Architecture document.")

@@ -142,7 +142,7 @@ def test_a_tap_traced_inside_a_consumer_fails_at_once_saying_what_to_do(transpor
                          env={"HOSTCALLBACK_TRANSPORT": transport})
     result = _last_json(process)
     assert "a tap was traced inside a tap consumer or call function" in result["outcome"]
-    assert result["count"].startswith("100 tap consumer call(s) raised")
+    assert "100 tap consumer call(s) raised" in result["count"]
 
 
 HEAVY_JAX_UNDER_SHARDED_JIT = PRELUDE + """

@@ -18,7 +18,7 @@ import numpy as np
 from jax import tree_util
 from jax._src import core
 
-from hostcallback import config, primitive, printing, transport, wire
+from hostcallback import config, primitive, printing, reentry, transport, wire
 from hostcallback.flavors import CallbackFlavor, check_vmap_method, flavor_of
 from hostcallback.receiver import receivers
 from hostcallback.registry import Consumer, registry
@@ -53,6 +53,7 @@ def _tap(consumer: Consumer, leaves, device_index: int, ordered: bool | None,
             "partitioned=True taps cannot also be ordered=True (HOSTCALLBACK_ORDERED=1 sets it "
             "by default): each shard's tap runs in its own per-device computation. Pass "
             "ordered=False.")
+    reentry.refuse_inside_consumer("a call" if "result_avals" in call_params else "a tap")
     receivers.ensure_started()
     return primitive.bind(
         leaves, consumer_id=registry.register(consumer), transport=transport.default_transport(),

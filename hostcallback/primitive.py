@@ -19,7 +19,7 @@ import dataclasses
 import weakref
 
 import jax
-from jax._src import core, dispatch, effects, sharding_impls
+from jax._src import core, dispatch, sharding_impls
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir import ir
@@ -27,7 +27,7 @@ from jax.extend.core import Primitive
 
 from hostcallback import keep_taps, sharded_lowering
 from hostcallback.flavors import VMAP_METHODS, CallbackFlavor
-from hostcallback.program_order import program_order_effect
+from hostcallback.program_order import ordered_tap_effect, program_order_effect
 from hostcallback.registry import registry
 
 outside_call_p = Primitive("outside_call")
@@ -58,20 +58,8 @@ def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
                                shard_callback=NO_SHARD_CALLBACK)
 
 
-# ---- effects ---------------------------------------------------------------------------------
-
-
-class OrderedTapEffect(effects.Effect):
-    """Taps that keep strict program order with each other, on each device."""
-
-    __str__ = __repr__ = lambda self: "HostcallbackOrderedTap"
-
-
-ordered_tap_effect = OrderedTapEffect()
-for _effect_set in (effects.lowerable_effects, effects.control_flow_allowed_effects,
-                    effects.ordered_effects, effects.shardable_ordered_effects,
-                    effects.custom_derivatives_allowed_effects, effects.remat_allowed_effects):
-    _effect_set.add_type(OrderedTapEffect)
+# ---- effects: ProgramOrderEffect by default, OrderedTapEffect for ordered=True, none for PURE;
+# both are defined, and kept off a computation's top level, in program_order.py.
 
 
 # ---- evaluation ------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ never changes a computation without a tap.
 
 from __future__ import annotations
 
+import weakref
+
 import jax
 from jax import lax
 from jax._src import core, effects, source_info_util, util
@@ -34,11 +36,20 @@ class ProgramOrderEffect(effects.Effect):
     __str__ = __repr__ = lambda self: "HostcallbackProgramOrder"
 
 
+class OrderedTapEffect(effects.Effect):
+    """ordered=True taps: program order within a computation and across computations too."""
+
+    __str__ = __repr__ = lambda self: "HostcallbackOrderedTap"
+
+
 program_order_effect = ProgramOrderEffect()
+ordered_tap_effect = OrderedTapEffect()
+TAP_EFFECTS = (ProgramOrderEffect, OrderedTapEffect)
 for _effect_set in (effects.lowerable_effects, effects.control_flow_allowed_effects,
                     effects.ordered_effects, effects.shardable_ordered_effects,
                     effects.custom_derivatives_allowed_effects, effects.remat_allowed_effects):
-    _effect_set.add_type(ProgramOrderEffect)
+    for _effect_type in TAP_EFFECTS:
+        _effect_set.add_type(_effect_type)
 
 
 # ---- the scope: where a computation's program-order token is created --------------------------
@@ -71,15 +82,27 @@ def _scope_lowering(ctx, *args, jaxpr: core.ClosedJaxpr):
 mlir.register_lowering(program_order_scope_p, _scope_lowering, cacheable=False)
 
 
+_scoped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def scoped(closed_jaxpr: core.ClosedJaxpr) -> core.ClosedJaxpr:
     """The same computation, with its program-order token made inside it (or closed_jaxpr itself
-    when it holds no tap)."""
+    when it holds no tap). The same jaxpr gives the same result, so JAX's lowering cache hits."""
     if program_order_effect not in closed_jaxpr.effects:
         return closed_jaxpr
+    found = _scoped.get(closed_jaxpr)
+    if found is None:
+        found = _scoped[closed_jaxpr] = _wrap_in_scope(closed_jaxpr)
+    return found
+
+
+def _wrap_in_scope(closed_jaxpr: core.ClosedJaxpr) -> core.ClosedJaxpr:
+    # The scope holds a copy, so that the cache's value does not keep its key alive.
+    inner = core.ClosedJaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts)
     outer_effects = closed_jaxpr.effects - {program_order_effect}
     invars = [core.Var(v.aval) for v in closed_jaxpr.jaxpr.invars]
     outvars = [core.Var(aval) for aval in closed_jaxpr.out_avals]
-    eqn = core.new_jaxpr_eqn(invars, outvars, program_order_scope_p, {"jaxpr": closed_jaxpr},
+    eqn = core.new_jaxpr_eqn(invars, outvars, program_order_scope_p, {"jaxpr": inner},
                              outer_effects, source_info_util.new_source_info())
     jaxpr = core.Jaxpr([], invars, outvars, [eqn], outer_effects,
                        debug_info=closed_jaxpr.jaxpr.debug_info)
@@ -94,9 +117,10 @@ def _while_lowering_keeping_finished_lanes(ctx, *args, cond_jaxpr, body_jaxpr, c
     """JAX lowers a while loop whose predicate has an ordered effect by evaluating the predicate
     inside the body; with a batched predicate (vmap) it then runs the body on every lane until all
     are done, and lanes that had finished go on changing (jax 0.10.2: a vmapped count-down to 0
-    returns -1). This lowers such a loop the same way, but keeps each finished lane's carry."""
+    returns -1). When the predicate holds a tap, this lowers such a loop the same way but keeps
+    each finished lane's carry; every other loop is left to JAX."""
     if not (cond_jaxpr.out_avals[0].shape
-            and effects.ordered_effects.filter_in(cond_jaxpr.effects)):
+            and any(isinstance(effect, TAP_EFFECTS) for effect in cond_jaxpr.effects)):
         return _while_lowering(ctx, *args, cond_jaxpr=cond_jaxpr, body_jaxpr=body_jaxpr,
                                cond_nconsts=cond_nconsts, body_nconsts=body_nconsts)
 

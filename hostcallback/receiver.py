@@ -183,8 +183,7 @@ class ReceiverPool:
         self._stopped = False
         self._local = threading.local()
         self._flush_hooks: weakref.WeakSet = weakref.WeakSet()
-        self._single_device_marker = None
-        self._all_devices_marker = None
+        self._marker_computations: dict[str, tuple] = {}  # per transport, built on first use
 
     # ---- lifecycle ----
 
@@ -472,25 +471,27 @@ class ReceiverPool:
         several devices one computation over them all that sends ``marker + 1`` from each."""
         from hostcallback import primitive, transport
 
-        if self._single_device_marker is None:
-            transport_name = transport.default_transport()
+        # The markers travel by the transport in use now, as the taps they wait for do.
+        transport_name = transport.default_transport()
+        if transport_name not in self._marker_computations:
 
             def tap_marker(x):
                 return primitive.bind([x], consumer_id=BARRIER_MARKER_ID, transport=transport_name)
 
-            self._single_device_marker = jax.jit(tap_marker)
-            self._all_devices_marker = []
+            all_devices_markers = []
             for devices in self._platform_groups().values():
                 if len(devices) > 1:
                     mesh = jax.sharding.Mesh(np.array(devices), ("devices",))
                     spec = jax.sharding.PartitionSpec("devices")
-                    self._all_devices_marker.append((jax.jit(jax.shard_map(
+                    all_devices_markers.append((jax.jit(jax.shard_map(
                         lambda x: tap_marker(x.reshape(()))[0].reshape(1), mesh=mesh,
                         in_specs=spec, out_specs=spec)), jax.sharding.NamedSharding(mesh, spec),
                         len(devices)))
+            self._marker_computations[transport_name] = (jax.jit(tap_marker), all_devices_markers)
+        single_device_marker, all_devices_markers = self._marker_computations[transport_name]
         for device in self._devices.values():
-            self._single_device_marker(jax.device_put(np.uint64(marker), device))
-        for computation, sharding, count in self._all_devices_marker:
+            single_device_marker(jax.device_put(np.uint64(marker), device))
+        for computation, sharding, count in all_devices_markers:
             markers = np.full(count, marker + 1, dtype=np.uint64)
             computation(jax.device_put(markers, sharding))
 

@@ -5,7 +5,9 @@ import subprocess
 import sys
 import textwrap
 
-# Must happen before jax is imported anywhere in the test process.
+# Must happen before jax is imported anywhere in the test process. JAX_PLATFORMS pins the CPU
+# backend, so a machine with a GPU runs the same tests (and the native transport) as CI.
+os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=4").strip()
 
@@ -58,6 +60,7 @@ def run_python(code: str, *, devices: int = 4, env: dict | None = None, timeout:
     in ``cwd`` (default: this one); returns the process."""
     full_env = dict(os.environ)
     full_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    full_env["JAX_PLATFORMS"] = "cpu"
     full_env.update(env or {})
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=False,
                           capture_output=True,

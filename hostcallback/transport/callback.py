@@ -92,8 +92,8 @@ def register_shard_callback(ctx) -> int:
     host callback each device's shard calls, and returns its index.
 
     XLA builds the per-shard computation later, as a separate module whose own host callbacks are
-    thrown away; it calls this one by index instead (tap_shard). The consumer id travels as an
-    operand, so one callback serves every partitioned tap of the computation.
+    thrown away; it calls this one by index instead (tap_shard), with the consumer id and its
+    partition id as operands.
     """
     if ctx.module_context.platforms[0] not in _CALLBACK_TARGETS:
         raise NotImplementedError(

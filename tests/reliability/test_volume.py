@@ -91,7 +91,7 @@ MEMORY = """
     print(len(seen), waits, peak[0] - baseline, hcb.queue_stats()[jax.devices()[0]]["bytes_enqueued"])
     """
 
-# docs/architecture.md, "Memory": per device the queue (one budget, or one record larger than it
+# docs/reliability.md, "Memory bound": per device the queue (one budget, or one record larger than it
 # alone) plus the batch a receiver holds (at most one budget plus one record), each buffer up to
 # 25 % larger than its record (pool size classes), and per process the free buffers of the pool
 # (pooled buffers in use and free together within one budget plus one batch).

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import _thread
 import atexit
-import dataclasses
 import itertools
 import logging
 import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -87,9 +86,9 @@ class ReceiverStoppedError(RuntimeError):
     """The receivers were stopped with stop_outfeed_receiver(); taps cannot be delivered any more."""
 
 
-@dataclasses.dataclass(frozen=True)
-class RecordContext:
-    """The record a consumer is being called for: where it came from and its place in line."""
+class RecordContext(NamedTuple):
+    """The record a consumer is being called for: where it came from and its place in line.
+    Immutable; a named tuple because consumers may ask for it once per record."""
 
     device: Any
     sequence: int

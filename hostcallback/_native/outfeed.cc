@@ -371,7 +371,7 @@ class DeviceQueue {
       auto start = std::chrono::steady_clock::now();
       stats_.producers_waiting += 1;
       // A receiver that is gathering a batch must not keep a full queue waiting.
-      if (receiver_waiting_) not_empty_.notify_all();
+      if (receivers_waiting_ > 0) not_empty_.notify_all();
       not_full_.wait(lock, admitted);
       stats_.producers_waiting -= 1;
       stats_.waits += 1;
@@ -393,10 +393,10 @@ class DeviceQueue {
     if (urgent) urgent_queued_ += 1;
     // Wake the receiver only when it sleeps and, while it gathers a batch, only when the batch
     // is ready: under load a receiver wakes once per batch, not once per record.
-    const bool wake = receiver_waiting_ && (!coalescing_ || BatchReady());
+    const bool wake = receivers_waiting_ > coalescing_ || (receivers_waiting_ > 0 && BatchReady());
     const bool others_wait = stats_.producers_waiting > 0;
     lock.unlock();
-    if (wake) not_empty_.notify_one();
+    if (wake) not_empty_.notify_all();  // one receiver per queue: all is one
     if (others_wait) not_full_.notify_all();  // the next in line may fit now
     return static_cast<int64_t>(sequence);
   }
@@ -414,19 +414,19 @@ class DeviceQueue {
     batch_bytes_ = std::max<size_t>(max_bytes, 1);
     if (records_.empty() && !closed_) {
       auto ready = [&] { return closed_ || !records_.empty(); };
-      receiver_waiting_ = true;
+      receivers_waiting_ += 1;
       if (WaitsForever(timeout_s)) {
         not_empty_.wait(lock, ready);
       } else {
         not_empty_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready);
       }
       if (coalesce_s > 0 && !records_.empty() && !BatchReady()) {
-        coalescing_ = true;
+        coalescing_ += 1;
         not_empty_.wait_for(lock, std::chrono::duration<double>(coalesce_s),
                             [&] { return BatchReady(); });
-        coalescing_ = false;
+        coalescing_ -= 1;
       }
-      receiver_waiting_ = false;
+      receivers_waiting_ -= 1;
     }
     out.reserve(std::min(max_records, records_.size()));
     size_t bytes = 0;
@@ -504,7 +504,8 @@ class DeviceQueue {
   uint64_t next_sequence_ = 0;
   uint64_t next_ticket_ = 0, admitted_ = 0;
   bool closed_ = false;
-  bool receiver_waiting_ = false, coalescing_ = false;
+  // Drains waiting (for a first record, or gathering a batch: coalescing_ of them).
+  size_t receivers_waiting_ = 0, coalescing_ = 0;
   size_t urgent_queued_ = 0, batch_records_ = 1, batch_bytes_ = 1;
   std::string failure_;
   QueueStats stats_;

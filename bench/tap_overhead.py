@@ -6,7 +6,8 @@ Three workloads, each a fori_loop that taps its carry every step:
            numpy copying 4 MiB into a reused buffer, the floor for a tap that copies once
   pmap:   25,000 steps tapping a 4-byte float32 on each of --devices CPU devices
 Each runs with no tap, hostcallback's native transport, its callback transport,
-jax.debug.callback and jax.experimental.io_callback, all delivering to a trivial consumer.
+jax.debug.callback and jax.experimental.io_callback, all delivering to a trivial consumer, in
+interleaved rounds (best of --repeats), so that a loaded machine slows every variant alike.
 
   overhead us/tap  (time until the computation finished - the same loop without taps) / taps
   records/s, MB/s  taps and bytes handled by the consumer per second, until the last was handled
@@ -80,32 +81,53 @@ def wait_for_delivery(kind: str) -> None:
         jax.effects_barrier()
 
 
-def measure(kind: str, steps: int, shape: tuple[int, ...], repeats: int,
-            devices: int = 0) -> dict:
-    """devices=0: jit on one device; devices=D: pmap over D devices, each tapping every step."""
-    counter = Counter()
-    with hcb.config.override(transport=kind if kind in ("native", "callback") else None):
-        tap = tapper(kind, counter)
-        body = (lambda x: lax.fori_loop(0, steps, lambda i, c: tap(c + 1), x))
-        loop = jax.pmap(body) if devices else jax.jit(body)
-        x = jnp.zeros((devices, *shape) if devices else shape, jnp.float32)
-        loop(x).block_until_ready()  # compile and warm up
-        wait_for_delivery(kind)
-        best_compute, best_delivered = float("inf"), float("inf")
-        for _ in range(repeats):
-            counter.taps = counter.bytes = 0
-            start = time.perf_counter()
-            loop(x).block_until_ready()
-            computed = time.perf_counter() - start
+class Variant:
+    """One transport's compiled loop, run round by round beside the others."""
+
+    def __init__(self, kind: str, steps: int, shape: tuple[int, ...], devices: int) -> None:
+        self.kind, self.expected = kind, 0 if kind == "none" else steps * max(devices, 1)
+        self.counter = Counter()
+        self.best_compute = self.best_delivered = float("inf")
+        with self._transport():
+            tap = tapper(kind, self.counter)
+            body = (lambda x: lax.fori_loop(0, steps, lambda i, c: tap(c + 1), x))
+            self.loop = jax.pmap(body) if devices else jax.jit(body)
+            self.x = jnp.zeros((devices, *shape) if devices else shape, jnp.float32)
+            self.loop(self.x).block_until_ready()  # compile and warm up
             wait_for_delivery(kind)
+
+    def _transport(self):
+        native = self.kind in ("native", "callback")
+        return hcb.config.override(transport=self.kind if native else None)
+
+    def run(self) -> None:
+        with self._transport():
+            self.counter.taps = self.counter.bytes = 0
+            start = time.perf_counter()
+            self.loop(self.x).block_until_ready()
+            computed = time.perf_counter() - start
+            wait_for_delivery(self.kind)
             delivered = time.perf_counter() - start
-            best_compute = min(best_compute, computed)
-            best_delivered = min(best_delivered, delivered)
-    expected = 0 if kind == "none" else steps * max(devices, 1)
-    if counter.taps != expected:
-        raise AssertionError(f"{kind}: {counter.taps} taps delivered, expected {expected}")
-    return {"compute_s": best_compute, "delivered_s": best_delivered, "taps": counter.taps,
-            "bytes": counter.bytes}
+        if self.counter.taps != self.expected:
+            raise AssertionError(f"{self.kind}: {self.counter.taps} taps delivered, expected "
+                                 f"{self.expected}")
+        self.best_compute = min(self.best_compute, computed)
+        self.best_delivered = min(self.best_delivered, delivered)
+
+    def result(self) -> dict:
+        return {"compute_s": self.best_compute, "delivered_s": self.best_delivered,
+                "taps": self.counter.taps, "bytes": self.counter.bytes}
+
+
+def measure_all(kinds, steps: int, shape: tuple[int, ...], repeats: int,
+                devices: int = 0) -> dict:
+    """Best of `repeats` rounds, each running every variant once: load on a shared machine
+    then hits the loop without taps and the tapped loops alike."""
+    variants = [Variant(kind, steps, shape, devices) for kind in kinds]
+    for _ in range(repeats):
+        for variant in variants:
+            variant.run()
+    return {v.kind: v.result() for v in variants}
 
 
 KINDS = ("none", "native", "callback", "debug.callback", "io_callback")
@@ -126,7 +148,7 @@ def memcpy_seconds(steps: int, nbytes: int, repeats: int) -> float:
 
 def run_workload(name: str, steps: int, shape: tuple[int, ...], repeats: int,
                  devices: int = 0, kinds=KINDS) -> dict:
-    results = {kind: measure(kind, steps, shape, repeats, devices) for kind in kinds}
+    results = measure_all(kinds, steps, shape, repeats, devices)
     base = results["none"]["compute_s"]
     taps = steps * max(devices, 1)
     overheads = {k: max(r["compute_s"] - base, 1e-12) / taps for k, r in results.items()}
@@ -160,7 +182,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--pmap-steps", type=int, default=25_000)
     parser.add_argument("--devices", type=int, default=4,
                         help="CPU devices for the pmap workload (forced before jax starts)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, "
           f"{jax.local_device_count()} local device(s), {os.cpu_count()} CPU core(s)")

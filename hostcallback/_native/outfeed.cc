@@ -3,9 +3,10 @@
 // The handler runs on XLA's device thread. It copies the tapped buffers into one record
 // (header + payload, layout in docs/wire-format.md and hostcallback/wire.py) and appends it
 // to that device's queue. It never runs Python and never takes the GIL. The receiver threads
-// in Python call drain(), which waits here with the GIL released and hands each record out
-// as a read-only numpy uint8 array that owns the record's memory, so payloads become arrays
-// without another copy. Every decision that is not about copying bytes lives in Python.
+// in Python call drain(), which waits here with the GIL released, gathers a batch, and decodes
+// it here: each record comes out as (consumer id, device, sequence, flags, arrays), the arrays
+// read-only numpy views of the record's memory (no copy), barrier markers apart. Deciding what
+// to do with a record (which consumer, pytrees, errors, barriers) lives in Python.
 //
 // Rules this file keeps (docs/reliability.md):
 // - No C++ exception crosses the FFI boundary or the nanobind boundary unhandled; a record is

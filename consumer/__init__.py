@@ -1,6 +1,14 @@
 """Ready-made tap consumers: record streams to files and sockets, logging, running statistics,
-and a collector for many processes. See docs/stream-format.md and docs/consumers.md."""
+and a collector for many processes, progress bars and TensorBoard. See the documents "Record
+stream format" and "Consumers"."""
 
+from consumer.progress import (
+                            ProgressSink,
+                            loop_progress,
+                            progress_fori_loop,
+                            progress_scan,
+                            scan_progress,
+)
 from consumer.sinks import (
                             FileSink,
                             LoggingSink,
@@ -12,7 +20,26 @@ from consumer.sinks import (
                             tap_to,
 )
 from consumer.stream import StreamFormatError, StreamReader, StreamWriter, TapRecord, read_records
+from consumer.tensorboard import TensorBoardSink
 
-__all__ = ["FileSink", "LoggingSink", "Sink", "SinkTap", "SocketSink", "StatsSink",
-           "StreamFormatError", "StreamReader", "StreamWriter", "TapRecord", "read_records",
-           "summarize", "tap_to"]
+__all__ = [
+                            "FileSink",
+                            "LoggingSink",
+                            "ProgressSink",
+                            "Sink",
+                            "SinkTap",
+                            "SocketSink",
+                            "StatsSink",
+                            "StreamFormatError",
+                            "StreamReader",
+                            "StreamWriter",
+                            "TapRecord",
+                            "TensorBoardSink",
+                            "loop_progress",
+                            "progress_fori_loop",
+                            "progress_scan",
+                            "read_records",
+                            "scan_progress",
+                            "summarize",
+                            "tap_to",
+]

@@ -1,20 +1,32 @@
 """python -m consumer: collect streams, and read them (tail, stats, plot).
 
-  collect --port P --out DIR    gather streams from many processes into DIR/<run>.hcbs
-  tail FILE [--follow]          print records as id_print would
-  stats FILE                    per-name count, mean, min, max, last
-  plot FILE --name N -o OUT     a line chart of a scalar series against step (needs matplotlib)
+  collect --port P --out DIR        gather streams from many processes into DIR/<run>.hcbs
+                                    (--port 0: a free port; it prints its address)
+  tail FILE [-n N] [--follow]       print records as id_print would (the last N with -n;
+                                    --follow follows rotation)
+  stats FILE...                     per-series count, mean, min, max, last; per source too
+  plot FILE... --name N -o OUT      line charts of scalar series against step, one line per
+                                    source; --name repeats and takes globs (needs matplotlib)
+
+A FILE stands for the stream and its rotated files (FILE.1, FILE.2, ...), read oldest first.
+
+`python -m consumer COMMAND --help` describes every option.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import collections
+import itertools
+import os
 import sys
-import time
 
-from consumer.sinks import StatsSink, format_table, scalar_series
-from consumer.stream import StreamReader, TapRecord, read_records
+from consumer.collector import add_collect_arguments, collect_command
+from consumer.plotting import plot
+from consumer.series import source_of
+from consumer.sinks import StatsSink, format_table
+from consumer.stream import (StreamFormatError, TapRecord, follow_records, read_records,
+                             read_stream)
 from hostcallback.printing import format_metadata, format_value
 
 
@@ -29,95 +41,156 @@ def format_record(record: TapRecord) -> str:
     return header + "\n" + format_value(record.value)
 
 
-def tail(path: str, follow: bool, poll_seconds: float = 0.2, out=sys.stdout) -> None:
-    reader = StreamReader()
-    with open(path, "rb") as file:
-        while True:
-            chunk = file.read(1 << 20)
-            if chunk:
-                for record in reader.feed(chunk):
-                    print(format_record(record), file=out, flush=True)
-            elif follow:
-                time.sleep(poll_seconds)
-            else:
-                return
+def tail(path: str, follow: bool, poll_seconds: float = 0.2, out=sys.stdout,
+         last: int | None = None) -> None:
+    """Prints a stream's records, oldest first; with ``last``, only the last ``last`` there are
+    now. ``follow`` then prints every new record as it is written, across rotations."""
+    if not follow:
+        records = read_stream(path)
+        for record in records if last is None else collections.deque(records, maxlen=last):
+            print(format_record(record), file=out, flush=True)
+        return
+    records = follow_records(path, poll_seconds)  # from the start of the current file
+    if last is not None:  # the records there now: keep the last `last` of them
+        there_now = sum(1 for _ in read_records(path))
+        for record in collections.deque(itertools.islice(records, there_now), maxlen=last):
+            print(format_record(record), file=out, flush=True)
+    for record in records:
+        print(format_record(record), file=out, flush=True)
 
 
-def stats(path: str) -> str:
-    sink = StatsSink()
-    for record in read_records(path):
-        sink.emit(record)
-    return format_table(sink.summary())
+def stats(paths: str | list[str]) -> str:
+    """The per-series table over all records, then, when records come from more than one
+    source (process/device), the same table per source."""
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
+    merged, per_source = StatsSink(), collections.defaultdict(StatsSink)
+    for path in paths:
+        for record in read_stream(path):
+            merged.emit(record)
+            per_source[source_of(record)].emit(record)
+    text = format_table(merged.summary())
+    if len(per_source) > 1:
+        rows = sorted((name, source, row) for source, sink in per_source.items()
+                      for name, row in sink.summary().items())
+        width = max(len("source"), *(len(source) for source in per_source)) + 2
+        numbers = "".join(f"{column:>14}" for column in ("mean", "min", "max", "last"))
+        lines = [f"{'name':<32}{'source':<{width}}{'count':>8}{numbers}"]
+        for name, source, row in rows:
+            numbers = "".join(f"{row[column]:>14.6g}" for column in ("mean", "min", "max", "last"))
+            lines.append(f"{name:<32}{source:<{width}}{row['count']:>8}{numbers}")
+        text += "\n\nper source:\n" + "\n".join(lines)
+    return text
 
 
-def plot(path: str, name: str, output: str) -> int:
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("plot needs matplotlib: pip install 'hostcallback[plot]'", file=sys.stderr)
-        return 2
-    steps, values = [], []
-    for record in read_records(path):
-        series = scalar_series(record)
-        if name in series:
-            steps.append(record.step if record.step is not None else len(steps))
-            values.append(series[name])
-    if not values:
-        print(f"no series named {name!r} in {path}; `python -m consumer stats {path}` lists them",
-              file=sys.stderr)
-        return 1
-    figure, axes = plt.subplots(figsize=(7, 4))
-    axes.plot(steps, values)
-    axes.set_xlabel("step")
-    axes.set_ylabel(name)
-    axes.set_title(name)
-    axes.grid(True, alpha=0.3)
-    figure.tight_layout()
-    figure.savefig(output, dpi=100)
-    plt.close(figure)
-    return 0
+        return f"hostcallback {version('hostcallback')}"
+    except PackageNotFoundError:
+        return "hostcallback (version unknown: not installed)"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _smoothing(text: str) -> float:
+    weight = float(text)
+    if not 0.0 <= weight < 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1): 0 is no smoothing, 0.9 much")
+    return weight
+
+
+def _count(text: str) -> int:
+    count = int(text)
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"{text} is negative: give how many records to show")
+    return count
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m consumer", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
-    collect = commands.add_parser("collect", help="gather streams from many processes")
-    collect.add_argument("--host", default="127.0.0.1")
-    collect.add_argument("--port", type=int, required=True)
-    collect.add_argument("--out", required=True)
-    tail_parser = commands.add_parser("tail", help="print a stream's records")
-    tail_parser.add_argument("file")
-    tail_parser.add_argument("--follow", "-f", action="store_true")
-    stats_parser = commands.add_parser("stats", help="per-name summary table")
-    stats_parser.add_argument("file")
-    plot_parser = commands.add_parser("plot", help="line chart of a scalar series")
-    plot_parser.add_argument("file")
-    plot_parser.add_argument("--name", required=True)
-    plot_parser.add_argument("-o", "--output", required=True)
-    args = parser.parse_args(argv)
+    parser.add_argument("--version", action="version", version=_version())
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    collect = commands.add_parser("collect", help="gather streams from many processes",
+                                  description="Serve until stopped (Ctrl-C), writing each run's "
+                                  "records to OUT/<run>.hcbs.")
+    add_collect_arguments(collect)
+    tail_parser = commands.add_parser("tail", help="print a stream's records",
+                                      description="Print records as id_print would.")
+    tail_parser.add_argument("file", help="a record stream (.hcbs) written by FileSink or "
+                             "the collector")
+    tail_parser.add_argument("--follow", "-f", action="store_true",
+                             help="keep reading as the file grows, until Ctrl-C")
+    tail_parser.add_argument("-n", "--lines", type=_count, metavar="N",
+                             help="print only the last N records (with --follow: the last N, "
+                             "then every new one)")
+    stats_parser = commands.add_parser("stats", help="per-series summary table",
+                                       description="Count, mean, min, max and last of every "
+                                       "scalar series, over all records and per source "
+                                       "(process/device) when there are several.")
+    stats_parser.add_argument("files", nargs="+", metavar="FILE",
+                              help="record streams; several are read as one")
+    plot_parser = commands.add_parser("plot", help="line charts of scalar series",
+                                      description="One panel per series, one line per source "
+                                      "(process/device), against step. Needs matplotlib.")
+    plot_parser.add_argument("files", nargs="+", metavar="FILE",
+                             help="record streams; several are read as one")
+    plot_parser.add_argument("--name", required=True, action="append", metavar="SERIES",
+                             help="series to draw, as `stats` lists them (train.loss), or a "
+                             "glob (train.*); repeat for several")
+    plot_parser.add_argument("-o", "--output", required=True,
+                             help="image file to write; its suffix picks the format (.png, "
+                             ".svg, .pdf)")
+    plot_parser.add_argument("--logy", action="store_true", help="logarithmic y axis")
+    plot_parser.add_argument("--smooth", type=_smoothing, default=0.0, metavar="W",
+                             help="exponential smoothing weight in [0, 1) as in TensorBoard "
+                             "(0.9: strong); the raw values stay as a faint line")
+    plot_parser.add_argument("--overlay", action="store_true",
+                             help="draw every series in one panel instead of one panel each")
+    plot_parser.add_argument("--title", help="figure title (default: the series or file name)")
+    return parser
 
+
+def run(args: argparse.Namespace) -> int:
     if args.command == "collect":
-        from consumer.collector import Collector
-
-        try:
-            asyncio.run(Collector(args.out).serve(args.host, args.port))
-        except KeyboardInterrupt:
-            pass
-        return 0
+        return collect_command(args)
     if args.command == "tail":
         try:
-            tail(args.file, args.follow)
+            tail(args.file, args.follow, last=args.lines)
         except KeyboardInterrupt:
             pass
         return 0
     if args.command == "stats":
-        print(stats(args.file))
+        print(stats(args.files))
         return 0
-    return plot(args.file, args.name, args.output)
+    return plot(args.files, args.name, args.output, logy=args.logy, smoothing=args.smooth,
+                overlay=args.overlay, title=args.title)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs a command; expected failures (a missing file, bytes that are not a stream, a reader
+    that went away) end with one line on stderr and a non-zero exit code, never a traceback."""
+    args = build_parser().parse_args(argv)
+    prog = "python -m consumer"
+    try:
+        return run(args)
+    except BrokenPipeError:
+        # The reader went away (`tail ... | head`): stop quietly, as cat and grep do, with the
+        # shell's code for SIGPIPE. Python would otherwise complain again flushing stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except KeyboardInterrupt:
+        return 130
+    except StreamFormatError as error:
+        print(f"{prog} {args.command}: {_files(args)} is not a readable record stream: {error}",
+              file=sys.stderr)
+        return 1
+    except OSError as error:
+        where = f": {error.filename}" if error.filename else ""
+        print(f"{prog} {args.command}: {error.strerror or error}{where}", file=sys.stderr)
+        return 1
+
+def _files(args: argparse.Namespace) -> str:
+    return getattr(args, "file", None) or " ".join(getattr(args, "files", []))
 
 
 if __name__ == "__main__":

@@ -1,94 +1,433 @@
 """The collector: one asyncio TCP server that gathers record streams from many processes.
 
-Each connection sends a stream (header, then records), as SocketSink does. The header's ``run``
-picks the output file ``OUT/<run>.hcbs``, shared by every process of that run; each record is
-tagged with its source (``host:pid/p<process>``) and appended as one complete msgpack record.
-After writing, the collector acknowledges with the number of records received on the connection
-so far (8 bytes, little-endian), so the sender can forget them. A client that disconnects
-mid-record loses only that torn record, which its sender still holds and sends again.
+Each connection sends a version-2 stream (a header frame, then record frames), as SocketSink
+does. The header names the ``run`` (the output file ``OUT/<run>.hcbs``, shared by every process of
+that run), the sender (one id per SocketSink) and the sender's sequence number of the connection's
+first record; it carries the shared token when the collector requires one. The collector copies
+intact record frames into the run file without decoding them, preceded by a segment header that
+names their source (``host:pid/p<process>``), sender and first sequence number; after each batch
+it acknowledges the number of records received on the connection so far, so the sender can forget
+them.
+
+Exactly once: a sender resends what was not acknowledged, from its first unacknowledged record, so
+the collector drops every record whose sequence number it has already written for that sender;
+after a restart it rebuilds what it has written from the run file's segment headers, and cuts a
+torn last frame off before it appends.
+
+What it must never do: write a partial or unauthenticated record, buffer without bound, or let one
+bad client disturb another. Limits (record size, clients, open run files, free disk, stalls) are in
+CollectorLimits; a client that breaks one is told why, logged once and dropped.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import collections
+import dataclasses
+import hmac
+import ipaddress
 import logging
+import mmap
 import os
 import re
+import shutil
+import signal
+import ssl
+import sys
 import threading
-from typing import BinaryIO
+import time
+import zlib
+from typing import Any, BinaryIO
 
-from consumer.stream import ACK, StreamFormatError, StreamReader, StreamWriter, pack
+import msgpack
+
+from consumer.stream import (
+    ACK,
+    FORMAT,
+    FRAME,
+    REASON,
+    REFUSED,
+    SYNC,
+    TOKEN_VARIABLE,
+    frame_item,
+    stream_header,
+)
 
 logger = logging.getLogger("hostcallback.collector")
 
 _SAFE_RUN = re.compile(r"[^A-Za-z0-9_.-]+")
+_HEADER_BYTES = 64 << 10  # the largest header frame a client may send before it is authenticated
+_READ_BYTES = 1 << 16
+_RECORD_START = b"\xa4name"  # every record map's first key is "name" (TapRecord.to_map)
+_MAP_TYPES = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
+
+
+@dataclasses.dataclass
+class CollectorLimits:
+    """What one collector accepts. Memory is bounded by about
+    ``max_clients * (max_record_bytes + 64 KiB)`` plus a few bytes per sender seen."""
+
+    max_record_bytes: int = 4 << 20
+    max_clients: int = 64
+    max_open_runs: int = 32
+    min_free_bytes: int = 256 << 20
+    stall_seconds: float = 60.0  # a client silent this long mid-record (or before its header)
+
+
+class CollectorConfigError(ValueError):
+    """A collector setting that would be unsafe or cannot work."""
+
+
+class _Refuse(Exception):
+    """Drop this client: ``kind`` groups the log line, ``reason`` is sent to the client."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind, self.reason = kind, reason
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
+    """A server context from a certificate chain and its key (PEM files), for Collector(tls=)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert_file, key_file)
+    return context
+
+
+def read_token(token_file: str | None = None) -> str | None:
+    """The shared token from ``token_file`` or the HOSTCALLBACK_COLLECTOR_TOKEN variable."""
+    if token_file:
+        with open(token_file, encoding="utf-8") as file:
+            token = file.read().strip()
+        if not token:
+            raise CollectorConfigError(f"the token file {token_file} is empty")
+        return token
+    return os.environ.get(TOKEN_VARIABLE) or None
+
+
+class _RunFile:
+    """One open run file and the segment that its last bytes belong to."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.file: BinaryIO = open(path, "ab", buffering=0)  # noqa: SIM115 (kept open, LRU)
+        self.segment: tuple[str, int] | None = None  # (sender, next sequence) of the last write
+
+
+def scan_run_file(path: str) -> tuple[dict[str, int], int, bool]:
+    """What a run file holds: per sender the next sequence number it has not written, the end of
+    its last intact frame, and whether it is a framed (version-2) file at all."""
+    senders: dict[str, int] = {}
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        if size == 0:
+            return senders, 0, True
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            framed = data[:len(SYNC)] == SYNC
+            position, intact_end, segment = 0, 0, None
+            while position < size:
+                if data[position:position + len(SYNC)] != SYNC or position + FRAME.size > size:
+                    position = data.find(SYNC, position + 1)
+                    if position < 0:
+                        break
+                    continue
+                _, length, crc = FRAME.unpack_from(data, position)
+                end = position + FRAME.size + length
+                with memoryview(data)[position + FRAME.size:min(end, size)] as payload:
+                    intact = end <= size and zlib.crc32(payload) == crc
+                    if intact and bytes(payload[1:6]) != _RECORD_START:  # a header
+                        header = _unpack(payload)
+                        if isinstance(header, dict) and header.get("format") == FORMAT:
+                            sender = header.get("sender")
+                            segment = sender if isinstance(sender, str) else None
+                            if segment is not None:
+                                senders[segment] = max(senders.get(segment, 0),
+                                                       int(header.get("first", 0)))
+                    elif intact and segment is not None:
+                        senders[segment] += 1
+                if not intact:
+                    position = data.find(SYNC, position + 1)
+                    if position < 0:
+                        break
+                    continue
+                position = intact_end = end
+    return senders, intact_end, framed
+
+
+def _unpack(payload) -> Any:
+    try:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception:  # noqa: BLE001 (any undecodable header is simply not one)
+        return None
 
 
 class Collector:
     """Writes incoming records to per-run files; ``serve`` runs it until cancelled."""
 
-    def __init__(self, out_dir: str | os.PathLike) -> None:
+    def __init__(self, out_dir: str | os.PathLike, *, token: str | None = None,
+                 limits: CollectorLimits | None = None, insecure: bool = False,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.out_dir = os.fspath(out_dir)
+        self.tls = tls  # a server context (tls_context()): clients then need SocketSink(tls_ca_file=)
         os.makedirs(self.out_dir, exist_ok=True)
-        self._files: dict[str, BinaryIO] = {}
+        self.limits = limits or CollectorLimits()
+        self.insecure = insecure
+        self._token = token.encode() if token else None
+        self._runs: collections.OrderedDict[str, _RunFile] = collections.OrderedDict()
+        self._written: dict[str, dict[str, int]] = {}  # run -> sender -> next unwritten sequence
         self._writers: set[asyncio.StreamWriter] = set()
+        self._logged: set[tuple[str, str]] = set()
+        self._disk_checked = 0.0
+        self._disk_low = False
         self.records_written = 0
+        self.bytes_written = 0
+        self.duplicates_dropped = 0
         self.connections = 0
+        self.clients = 0
+        self.refused: collections.Counter[str] = collections.Counter()
+        self.port: int | None = None
+
+    # ---- files ----
 
     def path_for(self, run: str) -> str:
         return os.path.join(self.out_dir, (_SAFE_RUN.sub("_", run) or "run") + ".hcbs")
 
-    def _file_for(self, run: str) -> BinaryIO:
-        file = self._files.get(run)
-        if file is None:
-            path = self.path_for(run)
-            fresh = not os.path.exists(path) or os.path.getsize(path) == 0
-            file = open(path, "ab")
-            StreamWriter(file, write_header=fresh, run=run, collected=True)
-            self._files[run] = file
-        return file
+    def _run_file(self, run: str) -> _RunFile:
+        run_file = self._runs.get(run)
+        if run_file is not None:
+            self._runs.move_to_end(run)
+            return run_file
+        path = self.path_for(run)
+        if run not in self._written:
+            senders: dict[str, int] = {}
+            if os.path.exists(path):
+                senders, intact_end, framed = scan_run_file(path)
+                if framed and intact_end < os.path.getsize(path):
+                    logger.warning("collector: %s ends in a torn frame (a crash mid-write); cutting "
+                                   "it off at byte %d before appending", path, intact_end)
+                    os.truncate(path, intact_end)
+            self._written[run] = senders
+        while len(self._runs) >= self.limits.max_open_runs:
+            _, oldest = self._runs.popitem(last=False)
+            oldest.file.close()
+        run_file = self._runs[run] = _RunFile(path)
+        if run_file.file.tell() == 0:
+            run_file.file.write(frame_item(stream_header(run=run, collected=True)))
+        return run_file
+
+    def _write(self, run: str, sender: str, source: str, first: int, data: bytes,
+               count: int) -> None:
+        """Appends ``count`` record frames (sequence numbers ``first``...) from one sender."""
+        run_file = self._run_file(run)
+        parts = []
+        if run_file.segment != (sender, first):
+            parts.append(frame_item({"format": FORMAT, "version": 2, "run": run, "source": source,
+                                     "sender": sender, "first": first}))
+        parts.append(data)
+        blob = b"".join(parts) if len(parts) > 1 else data
+        before = run_file.file.tell()
+        try:
+            run_file.file.write(blob)
+        except OSError as error:  # disk full or gone: leave no partial frame behind
+            run_file.file.truncate(before)
+            run_file.segment = None
+            raise _Refuse("write failed", f"the collector cannot write {run_file.path}: "
+                                          f"{error.strerror or error}") from error
+        run_file.segment = (sender, first + count)
+        self._written[run][sender] = first + count
+        self.records_written += count
+        self.bytes_written += len(blob)
+
+    def close(self) -> None:
+        for run_file in self._runs.values():
+            run_file.file.close()
+        self._runs.clear()
+
+    def free_bytes(self) -> int:
+        """Free space where the run files are (tests replace this)."""
+        return shutil.disk_usage(self.out_dir).free
+
+    async def _wait_for_disk(self) -> None:
+        """Stops taking records (the senders wait) while free space is below the limit."""
+        while True:
+            now = time.monotonic()
+            if now - self._disk_checked >= 1.0 or self._disk_low:
+                self._disk_checked = now
+                low = self.free_bytes() < self.limits.min_free_bytes
+                if low and not self._disk_low:
+                    logger.warning("collector: less than %d bytes free in %s; not taking records "
+                                   "until there is room (senders wait)", self.limits.min_free_bytes,
+                                   self.out_dir)
+                elif self._disk_low and not low:
+                    logger.warning("collector: disk space is back; taking records again")
+                self._disk_low = low
+            if not self._disk_low:
+                return
+            await asyncio.sleep(0.2)
+
+    # ---- connections ----
+
+    def _log_once(self, peer: str, kind: str, message: str) -> None:
+        self.refused[kind] += 1
+        host = peer.rsplit(":", 1)[0]
+        if (host, kind) in self._logged:
+            logger.debug("collector: dropping %s: %s", peer, message)
+            return
+        self._logged.add((host, kind))
+        logger.warning("collector: dropping %s: %s (logged once per host; counted in refused)",
+                       peer, message)
+
+    def _check_header(self, payload: bytes) -> dict[str, Any]:
+        header = _unpack(payload)
+        if not isinstance(header, dict) or header.get("format") != FORMAT:
+            raise _Refuse("not a stream", "the first frame is not a hostcallback stream header")
+        if header.get("version") != 2:
+            raise _Refuse("version", f"stream version {header.get('version')} is not supported "
+                                     "by this collector (it takes version 2: upgrade the sender)")
+        if self._token is not None:
+            given = header.get("token")
+            given = given.encode() if isinstance(given, str) else b""
+            if not hmac.compare_digest(given, self._token):
+                raise _Refuse("token", "wrong or missing token (set HOSTCALLBACK_COLLECTOR_TOKEN "
+                                       "or SocketSink(token=...) to the collector's token)")
+        if not isinstance(header.get("sender"), str) or not isinstance(header.get("first"), int):
+            raise _Refuse("not a stream", "the stream header has no sender and first sequence")
+        return header
+
+    def _frames(self, buffer: bytearray, limit: int, records: bool) -> tuple[int, int]:
+        """How many complete, intact frames ``buffer`` starts with (records only, or just the
+        header), and their bytes; raises for damage or a frame over ``limit``."""
+        count, position, size = 0, 0, len(buffer)
+        with memoryview(buffer) as view:
+            while size - position >= FRAME.size:
+                marker, length, crc = FRAME.unpack_from(buffer, position)
+                if marker != SYNC:
+                    raise _Refuse("garbage", "bytes that are not a stream frame")
+                if length > limit:
+                    raise _Refuse("too large", f"a {'record' if records else 'header'} of "
+                                               f"{length} bytes is over the collector's limit of "
+                                               f"{limit} bytes")
+                end = position + FRAME.size + length
+                if end > size:
+                    break
+                payload = view[position + FRAME.size:end]
+                if zlib.crc32(payload) != crc:
+                    raise _Refuse("garbage", "a frame whose CRC-32 does not match")
+                # Only records: a header among them could forge another sender or source.
+                if records and (length < 6 or payload[0] not in _MAP_TYPES
+                                or bytes(payload[1:6]) != _RECORD_START):
+                    raise _Refuse("garbage", "a frame that is not a record (a record is a map "
+                                             "whose first key is 'name')")
+                count += 1
+                position = end
+                if not records:
+                    return count, position
+            if size - position and not SYNC.startswith(bytes(view[position:position + 4])):
+                raise _Refuse("garbage", "bytes that are not a stream frame")
+        return count, position
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        peername = writer.get_extra_info("peername") or ("?", 0)
+        peer = f"{peername[0]}:{peername[1]}"
         self._writers.add(writer)
-        stream = StreamReader()
-        peer = writer.get_extra_info("peername")
+        self.clients += 1
+        buffer = bytearray()
+        header: dict[str, Any] | None = None
         received = 0
         try:
+            if self.clients > self.limits.max_clients:
+                raise _Refuse("too many clients", f"the collector already serves "
+                                                  f"{self.limits.max_clients} clients (its limit)")
             while True:
-                chunk = await reader.read(1 << 16)
+                waiting = header is None or bool(buffer)
+                try:
+                    chunk = await asyncio.wait_for(
+                        reader.read(_READ_BYTES),
+                        self.limits.stall_seconds if waiting else None)
+                except asyncio.TimeoutError:
+                    raise _Refuse("stalled", f"no bytes for {self.limits.stall_seconds} s "
+                                             + ("before its header" if header is None
+                                                else "in the middle of a record")) from None
                 if not chunk:
-                    break
-                records = stream.feed(chunk)
-                if not records:
+                    if header is None:
+                        raise _Refuse("no header", "closed before sending a stream header")
+                    if received == 0:
+                        self._log_once(peer, "no records", "closed without sending a record")
+                    break  # a torn last record is sent again by its sender
+                buffer += chunk
+                if header is None:
+                    found, used = self._frames(buffer, _HEADER_BYTES, records=False)
+                    if not found:
+                        continue
+                    header = self._check_header(bytes(buffer[FRAME.size:used]))
+                    del buffer[:used]
+                    run = str(header.get("run", "run"))
+                    sender, next_sequence = header["sender"], header["first"]
+                    source = (f"{header.get('host', '?')}:{header.get('pid', '?')}"
+                              f"/p{header.get('process', 0)}")
+                    logger.debug("collector: %s streams run %r as %s", peer, run, source)
+                count, used = self._frames(buffer, self.limits.max_record_bytes, records=True)
+                if not count:
                     continue
-                header = stream.header or {}
-                run = str(header.get("run", "run"))
-                source = f"{header.get('host', '?')}:{header.get('pid', '?')}/p{header.get('process', 0)}"
-                file = self._file_for(run)
-                for record in records:
-                    record.source = source
-                    file.write(pack(record.to_map()))
-                file.flush()
-                self.records_written += len(records)
-                received += len(records)
+                await self._wait_for_disk()
+                self._take(buffer, count, used, run, sender, source, next_sequence)
+                next_sequence += count
+                received += count
+                del buffer[:used]
                 writer.write(ACK.pack(received))
                 await writer.drain()
-        except StreamFormatError as error:
-            logger.warning("collector: dropping connection from %s: %s", peer, error)
+        except _Refuse as refusal:
+            self._log_once(peer, refusal.kind, refusal.reason)
+            reason = refusal.reason.encode()
+            try:
+                writer.write(ACK.pack(REFUSED) + REASON.pack(len(reason)) + reason)
+                await asyncio.wait_for(writer.drain(), 1.0)
+            except (ConnectionError, asyncio.TimeoutError):
+                pass
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
+            self.clients -= 1
             self._writers.discard(writer)
             writer.close()
 
-    def close(self) -> None:
-        for file in self._files.values():
-            file.close()
-        self._files.clear()
+    def _take(self, buffer: bytearray, count: int, used: int, run: str, sender: str,
+              source: str, first: int) -> None:
+        """Writes the records of ``buffer[:used]`` (sequence numbers ``first``...) that this
+        sender's run file does not hold yet."""
+        if run not in self._written:
+            self._run_file(run)  # rebuilds what the run file holds
+        skip = max(0, min(count, self._written[run].get(sender, 0) - first))
+        start = 0
+        for _ in range(skip):
+            start += FRAME.size + FRAME.unpack_from(buffer, start)[1]
+        self.duplicates_dropped += skip
+        if count > skip:
+            self._write(run, sender, source, first + skip, bytes(buffer[start:used]), count - skip)
+
+    # ---- serving ----
+
+    def check_bind(self, host: str) -> None:
+        if not is_loopback(host) and self._token is None and not self.insecure:
+            raise CollectorConfigError(
+                f"refusing to listen on {host} without a token: anyone who reaches the port could "
+                f"write into {self.out_dir}. Set {TOKEN_VARIABLE} (or --token-file) on the "
+                "collector and its senders, or pass --insecure on a network you trust.")
 
     async def serve(self, host: str, port: int, ready: asyncio.Event | None = None) -> None:
-        server = await asyncio.start_server(self.handle, host, port)
+        self.check_bind(host)
+        server = await asyncio.start_server(self.handle, host, port, limit=_READ_BYTES,
+                                            ssl=self.tls)
         self.port = server.sockets[0].getsockname()[1]
         logger.info("collector: listening on %s:%d, writing to %s", host, self.port, self.out_dir)
         if ready is not None:
@@ -102,16 +441,24 @@ class Collector:
             await asyncio.sleep(0)
             self.close()
 
+    def counts(self) -> str:
+        refused = ", ".join(f"{kind}: {n}" for kind, n in sorted(self.refused.items())) or "none"
+        return (f"{self.records_written} records ({self.bytes_written} bytes) written from "
+                f"{self.connections} connections; {self.duplicates_dropped} duplicates dropped; "
+                f"dropped clients: {refused}")
+
 
 class CollectorThread:
     """A Collector serving from a background thread (tests, notebooks, a launcher process)."""
 
-    def __init__(self, out_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.collector = Collector(out_dir)
+    def __init__(self, out_dir: str | os.PathLike, host: str = "127.0.0.1", port: int = 0,
+                 **options: Any) -> None:
+        self.collector = Collector(out_dir, **options)
         self.host, self.port = host, port
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task | None = None
         self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
 
     def start(self, timeout: float = 10.0) -> CollectorThread:
         started = threading.Event()
@@ -119,13 +466,17 @@ class CollectorThread:
         async def run() -> None:
             ready = asyncio.Event()
             self._task = asyncio.ensure_future(self.collector.serve(self.host, self.port, ready))
-            await ready.wait()
+            waiting = asyncio.ensure_future(ready.wait())
+            await asyncio.wait([self._task, waiting], return_when=asyncio.FIRST_COMPLETED)
+            waiting.cancel()
             self.port = self.collector.port
             started.set()
             try:
                 await self._task
             except asyncio.CancelledError:
                 pass
+            except Exception as error:  # noqa: BLE001 (reported by start())
+                self._error = error
 
         def main() -> None:
             self._loop = asyncio.new_event_loop()
@@ -136,10 +487,93 @@ class CollectorThread:
         self._thread.start()
         if not started.wait(timeout):
             raise TimeoutError(f"collector did not start listening within {timeout} s")
+        if self.collector.port is None:
+            self._thread.join(timeout)
+            raise self._error or RuntimeError("the collector stopped before it listened")
         return self
 
     def stop(self) -> None:
-        if self._loop is not None and self._task is not None:
+        if self._loop is not None and self._task is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._task.cancel)
         if self._thread is not None:
             self._thread.join(10)
+
+
+# ---- the command line: python -m consumer collect ----
+
+
+def add_collect_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = CollectorLimits()
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1; another needs a token "
+                             "or --insecure)")
+    parser.add_argument("--port", type=int, required=True, help="TCP port; 0 picks a free one")
+    parser.add_argument("--out", required=True, help="directory for the run files")
+    parser.add_argument("--token-file", help=f"file holding the shared token (else "
+                                             f"${TOKEN_VARIABLE}); never printed")
+    parser.add_argument("--insecure", action="store_true",
+                        help="listen beyond loopback without a token")
+    parser.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS (senders pass "
+                                           "SocketSink(tls_ca_file=...))")
+    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    parser.add_argument("--max-record-bytes", type=int, default=defaults.max_record_bytes,
+                        help="largest record accepted; a sender of a bigger one is told why and "
+                             "dropped (default %(default)s)")
+    parser.add_argument("--max-clients", type=int, default=defaults.max_clients,
+                        help="connections served at once; more are refused (default %(default)s)")
+    parser.add_argument("--max-open-runs", type=int, default=defaults.max_open_runs,
+                        help="run files kept open; the least recently used is closed and "
+                             "reopened on demand (default %(default)s)")
+    parser.add_argument("--min-free-bytes", type=int, default=defaults.min_free_bytes,
+                        help="free disk below which no record is taken, senders wait "
+                             "(default %(default)s)")
+    parser.add_argument("--stall-seconds", type=float, default=defaults.stall_seconds,
+                        help="a sender silent this long mid-record is dropped "
+                             "(default %(default)s)")
+
+
+def collect_command(args: argparse.Namespace) -> int:
+    """Serves until SIGINT or SIGTERM; prints the address at start and the counts at the end."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        if bool(args.tls_cert) != bool(args.tls_key):
+            raise CollectorConfigError("--tls-cert and --tls-key go together: pass both")
+        tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
+        collector = Collector(args.out, token=read_token(args.token_file), insecure=args.insecure,
+                              tls=tls,
+                              limits=CollectorLimits(args.max_record_bytes, args.max_clients,
+                                                     args.max_open_runs, args.min_free_bytes,
+                                                     args.stall_seconds))
+        collector.check_bind(args.host)
+    except (CollectorConfigError, OSError, ssl.SSLError) as error:
+        print(f"collect: {error}", file=sys.stderr)
+        return 2
+
+    async def run() -> None:
+        ready = asyncio.Event()
+        task = asyncio.ensure_future(collector.serve(args.host, args.port, ready))
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, task.cancel)
+        waiting = asyncio.ensure_future(ready.wait())
+        await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
+        if ready.is_set():
+            print(f"collector listening on {args.host}:{collector.port}, writing to {args.out}",
+                  flush=True)
+        waiting.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:  # before the signal handlers were in place
+        pass
+    except OSError as error:
+        what = "address already in use" if error.errno in (98, 48) else error.strerror or error
+        print(f"collect: cannot listen on {args.host}:{args.port}: {what} (another collector? "
+              "pick another --port, or --port 0 for a free one)", file=sys.stderr)
+        return 1
+    print(f"collector stopped: {collector.counts()}", flush=True)
+    return 0

@@ -17,16 +17,30 @@ import math
 import os
 import select
 import socket
+import ssl
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
 
 import hostcallback
-from consumer.stream import ACK, StreamWriter, TapRecord, pack, stream_header
+from consumer.stream import (
+    ACK,
+    FRAME,
+    REASON,
+    REFUSED,
+    TOKEN_VARIABLE,
+    StreamWriter,
+    TapRecord,
+    frame_item,
+    stream_header,
+)
 from hostcallback.receiver import receivers
+
+logger = logging.getLogger("hostcallback.sinks")
 
 
 class Sink:
@@ -99,7 +113,7 @@ def tap_to(sinks: Iterable[Sink], arg: Any, *, name: str, ordered: bool | None =
 class FileSink(Sink):
     """Appends records to a stream file; rotates it past ``max_bytes`` (0: never).
 
-    Every write is one complete msgpack record, so a crash mid-write leaves every earlier record
+    Every write is one complete frame, so a crash mid-write leaves every earlier record
     readable. The file is flushed after each ``barrier_wait`` and at exit.
     """
 
@@ -116,9 +130,9 @@ class FileSink(Sink):
         directory = os.path.dirname(self.path)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        fresh = not os.path.exists(self.path) or os.path.getsize(self.path) == 0
         self._file = open(self.path, "ab")
-        self._writer = StreamWriter(self._file, write_header=fresh)
+        # A header on every open: appending to an older file (even version 1) stays readable.
+        self._writer = StreamWriter(self._file)
 
     def _rotate(self) -> None:
         self._file.close()
@@ -133,7 +147,7 @@ class FileSink(Sink):
         self._open()
 
     def emit(self, record: TapRecord) -> None:
-        data = pack(record.to_map())
+        data = frame_item(record.to_map())
         with self._lock:
             if self._file is None:
                 raise ValueError(f"FileSink({self.path!r}) is closed")
@@ -260,130 +274,260 @@ def format_table(summary: dict[str, dict[str, float]]) -> str:
 # ---- sockets ---------------------------------------------------------------------------------
 
 
+# A send that makes no progress this long means the collector is gone without a word (a network
+# partition): the sink reconnects.
+_SEND_TIMEOUT = 60.0
+
+
+class _Refused(OSError):
+    """The collector hung up on purpose and said why."""
+
+
 class SocketSink(Sink):
-    """Streams records to a collector over TCP from a background thread, at least once.
+    """Streams records to a collector over TCP from a background thread, exactly once.
 
     Every record stays in the buffer until the collector acknowledges it; after a lost connection
-    the sink reconnects with backoff and sends every unacknowledged record again (the collector may
-    then see a record twice, never zero times). The buffer holds at most ``max_buffered_bytes``;
-    when it is full, ``emit`` waits (``waits`` and ``wait_seconds`` count it) rather than dropping.
+    the sink reconnects with backoff and sends every unacknowledged record again, numbered, so the
+    collector drops the ones it has already written ("Record stream format"). The buffer holds at
+    most ``max_buffered_bytes``; when it is full, ``emit`` waits (``waits`` and ``wait_seconds``
+    count it) rather than dropping. No wait is unbounded by our own timeouts: a barrier's
+    ``timeout``, HOSTCALLBACK_EXIT_TIMEOUT at exit, and ``flush_timeout`` otherwise. When the
+    collector cannot be reached, or refuses the sink (a wrong token), it says so once.
     """
 
-    def __init__(self, host: str, port: int, *, run: str = "run",
-                 max_buffered_bytes: int = 64 << 20, connect_timeout: float = 5.0) -> None:
+    def __init__(self, host: str, port: int, *, run: str = "run", token: str | None = None,
+                 max_buffered_bytes: int = 64 << 20, max_record_bytes: int = 4 << 20,
+                 connect_timeout: float = 5.0, flush_timeout: float = 30.0,
+                 tls_ca_file: str | os.PathLike | None = None) -> None:
         self.address = (host, port)
+        # TLS to a collector started with --tls-cert: its certificate must verify against this CA
+        # file and name ``host``.
+        self._tls = None if tls_ca_file is None else ssl.create_default_context(
+            cafile=os.fspath(tls_ca_file))
         self.run = run
+        self.token = token if token is not None else os.environ.get(TOKEN_VARIABLE)
+        self.sender = uuid.uuid4().hex  # the collector numbers this sink's records by this id
         self.max_buffered_bytes = max_buffered_bytes
+        self.max_record_bytes = max_record_bytes
         self.connect_timeout = connect_timeout
+        self.flush_timeout = flush_timeout
         self.waits = 0
         self.wait_seconds = 0.0
         self.reconnects = 0
-        self.acknowledged = 0
-        self._unacknowledged: list[bytes] = []  # oldest first; the first _sent went out already
+        self.connect_failures = 0
+        self.acknowledged = 0  # also the sequence number of the oldest unacknowledged record
+        self.problem: str | None = None  # why the collector is not taking records, while it is not
+        self._flush_warned = False
+        self._frames: list[bytes] = []  # unacknowledged, oldest first; the first _sent went out
         self._sent = 0
         self._buffered = 0
-        self._closed = False
+        self._closed = False  # no more emits; the thread ends once everything is acknowledged
+        self._abandoned = False  # the thread ends now
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"hostcallback-socket-sink-{host}:{port}")
         self._thread.start()
         receivers.add_flush_hook(self)
 
+    @property
+    def pending(self) -> int:
+        """Records not acknowledged by the collector yet."""
+        with self._cond:
+            return len(self._frames)
+
     def emit(self, record: TapRecord) -> None:
-        data = pack(record.to_map())
+        data = frame_item(record.to_map())
+        if len(data) - FRAME.size > self.max_record_bytes:
+            raise ValueError(
+                f"record {record.name!r} is {len(data) - FRAME.size} bytes, over this SocketSink's "
+                f"max_record_bytes={self.max_record_bytes} (the collector refuses records over its "
+                "--max-record-bytes): tap smaller values, or raise both limits")
         with self._cond:
             if self._closed:
                 raise ValueError("SocketSink is closed")
             if self._buffered and self._buffered + len(data) > self.max_buffered_bytes:
                 started = time.monotonic()
                 self.waits += 1
-                self._cond.wait_for(lambda: self._closed or not self._buffered
+                self._cond.wait_for(lambda: self._abandoned or not self._buffered
                                     or self._buffered + len(data) <= self.max_buffered_bytes)
                 self.wait_seconds += time.monotonic() - started
-            self._unacknowledged.append(data)
+                if self._abandoned:
+                    raise ValueError("SocketSink is closed")
+            self._frames.append(data)
             self._buffered += len(data)
             self._cond.notify_all()
 
-    def _connect(self) -> socket.socket | None:
-        delay = 0.05
-        while True:
-            with self._cond:
-                if self._closed and not self._unacknowledged:
-                    return None
-            try:
-                connection = socket.create_connection(self.address, timeout=self.connect_timeout)
-                connection.settimeout(None)
-                connection.sendall(pack(stream_header(run=self.run, process=_process_index())))
-                return connection
-            except OSError:
-                time.sleep(delay)
-                delay = min(delay * 2, 2.0)
+    # ---- the sending thread ----
 
-    def _take_acknowledgements(self, connection, acks: bytearray, on_connection: list[int]) -> bool:
-        """Reads what acknowledgements have arrived; False when the collector hung up."""
-        while select.select([connection], [], [], 0)[0]:
-            chunk = connection.recv(4096)
+    def _connect(self) -> socket.socket:
+        connection = socket.create_connection(self.address, timeout=self.connect_timeout)
+        try:
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                connection = self._tls.wrap_socket(connection, server_hostname=self.address[0])
+            connection.settimeout(_SEND_TIMEOUT)
+            with self._cond:
+                self._sent = 0  # send everything not acknowledged again, numbered from here
+                first = self.acknowledged
+            header = stream_header(run=self.run, process=_process_index(), sender=self.sender,
+                                   first=first)
+            if self.token:
+                header["token"] = self.token
+            connection.sendall(frame_item(header))
+        except BaseException:
+            connection.close()
+            raise
+        return connection
+
+    def _take_acknowledgements(self, connection: socket.socket, acks: bytearray,
+                               on_connection: list[int], wait: float) -> None:
+        """Reads what acknowledgements have arrived (waiting up to ``wait`` s for the first)."""
+        while (isinstance(connection, ssl.SSLSocket) and connection.pending()) or \
+                select.select([connection], [], [], wait)[0]:
+            wait = 0
+            chunk = connection.recv(1 << 16)
             if not chunk:
-                return False
+                raise ConnectionResetError("the collector closed the connection")
             acks.extend(chunk)
         while len(acks) >= ACK.size:
             (total,) = ACK.unpack_from(acks)
+            if total == REFUSED:
+                raise _Refused(self._refusal_reason(connection, acks))
             del acks[:ACK.size]
             with self._cond:
                 newly = total - on_connection[0]
                 on_connection[0] = total
-                done = self._unacknowledged[:newly]
-                del self._unacknowledged[:newly]
+                self._buffered -= sum(map(len, self._frames[:newly]))
+                del self._frames[:newly]
                 self._sent -= newly
-                self._buffered -= sum(map(len, done))
                 self.acknowledged += newly
                 self._cond.notify_all()
-        return True
+
+    def _refusal_reason(self, connection: socket.socket, acks: bytearray) -> str:
+        connection.settimeout(1.0)
+        try:
+            while len(acks) < ACK.size + REASON.size or len(acks) < ACK.size + REASON.size + \
+                    REASON.unpack_from(acks, ACK.size)[0]:
+                chunk = connection.recv(4096)
+                if not chunk:
+                    break
+                acks.extend(chunk)
+        except OSError:
+            pass
+        if len(acks) < ACK.size + REASON.size:
+            return "the collector refused this sink"
+        (length,) = REASON.unpack_from(acks, ACK.size)
+        start = ACK.size + REASON.size
+        return "the collector refused this sink: " + bytes(acks[start:start + length]).decode(
+            "utf-8", "replace")
+
+    def _report_problem(self, problem: str) -> None:
+        with self._cond:
+            first_time = self.problem is None or (self.problem != problem
+                                                   and problem.startswith("the collector refused"))
+            self.problem = problem
+            self._cond.notify_all()
+        if first_time:  # once per outage, not once per retry
+            logger.warning("SocketSink to %s:%d: %s; %d records wait in its buffer and go out "
+                           "when it takes them (retrying)", *self.address, problem, self.pending)
 
     def _send_loop(self) -> None:
-        connection, acks, on_connection = None, bytearray(), [0]
+        connection, acks, on_connection, delay = None, bytearray(), [0], 0.05
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._sent < len(self._unacknowledged)
-                                    or self._closed or self._unacknowledged, timeout=0.05)
-                if self._closed and not self._unacknowledged:
+                self._cond.wait_for(lambda: self._abandoned or self._frames or self._closed)
+                if self._abandoned or (self._closed and not self._frames):
                     break
-                data = (self._unacknowledged[self._sent]
-                        if self._sent < len(self._unacknowledged) else None)
+                batch, size = [], 0
+                for data in self._frames[self._sent:]:
+                    if batch and size + len(data) > 1 << 20:
+                        break
+                    batch.append(data)
+                    size += len(data)
             try:
                 if connection is None:
                     connection = self._connect()
-                    if connection is None:
-                        break
                     acks, on_connection = bytearray(), [0]
-                if data is not None:
-                    connection.sendall(data)
+                    continue  # _connect rewound what to send: gather it again
+                if batch:
+                    connection.sendall(b"".join(batch))
                     with self._cond:
-                        self._sent += 1
-                if not self._take_acknowledgements(connection, acks, on_connection):
-                    raise ConnectionResetError("the collector closed the connection")
-            except OSError:
+                        self._sent += len(batch)
+                self._take_acknowledgements(connection, acks, on_connection,
+                                            0 if batch or connection is None else 0.05)
+                if self.problem is not None and on_connection[0]:
+                    logger.warning("SocketSink to %s:%d: the collector takes records again",
+                                   *self.address)
+                    with self._cond:
+                        self.problem = None
+                        self._flush_warned = False
+                delay = 0.05
+            except OSError as error:
                 if connection is not None:
                     connection.close()
+                    self.reconnects += 1
+                else:
+                    self.connect_failures += 1
                 connection = None
+                refused = isinstance(error, _Refused)
+                self._report_problem(str(error) if refused else
+                                     f"cannot reach the collector ({type(error).__name__}: "
+                                     f"{error})")
                 with self._cond:
-                    self._sent = 0  # send everything not acknowledged again
-                self.reconnects += 1
+                    self._cond.wait_for(lambda: self._abandoned, 2.0 if refused else delay)
+                delay = min(delay * 2, 2.0)
         if connection is not None:
             connection.close()
 
-    def flush(self, timeout: float | None = 30.0) -> None:
-        """Waits until the collector acknowledged every emitted record."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: not self._unacknowledged, timeout):
-                raise TimeoutError(f"SocketSink to {self.address}: {len(self._unacknowledged)} "
-                                   f"records not acknowledged after {timeout} s")
+    # ---- flush and close ----
 
-    def close(self) -> None:
-        try:
-            self.flush()
-        finally:
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
-            self._thread.join(10)
+    def _wait_acknowledged(self, deadline: float | None) -> bool:
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not self._frames,
+                None if deadline is None else max(0.0, deadline - time.monotonic()))
+
+    def _deadline(self, timeout: float | None, deadline: float | None = None) -> float:
+        own = time.monotonic() + (self.flush_timeout if timeout is None else timeout)
+        return own if deadline is None else min(own, deadline)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Waits until the collector acknowledged every emitted record; raises TimeoutError after
+        ``timeout`` s (default ``flush_timeout``)."""
+        if not self._wait_acknowledged(self._deadline(timeout)):
+            raise TimeoutError(f"SocketSink to {self.address[0]}:{self.address[1]}: "
+                               f"{self.pending} records not acknowledged after "
+                               f"{self.flush_timeout if timeout is None else timeout} s"
+                               + (f" ({self.problem})" if self.problem else ""))
+
+    def flush_before(self, deadline: float | None) -> bool:
+        """The flush after a barrier or at exit: waits until ``deadline`` (monotonic) at most, and
+        at most ``flush_timeout``; says once what is still unacknowledged instead of raising."""
+        if self._closed or self._wait_acknowledged(self._deadline(None, deadline)):
+            return not self.pending  # a closed sink already reported what it could not send
+        if self._flush_warned:  # once per outage: a barrier every step must not flood the log
+            return False
+        self._flush_warned = True
+        logger.warning("SocketSink to %s:%d: %d records not acknowledged yet (%s); they stay "
+                       "buffered and go out when the collector takes them, unless this process "
+                       "exits first", *self.address, self.pending,
+                       self.problem or "the collector is slow")
+        return False
+
+    def close(self, timeout: float | None = None) -> int:
+        """Sends what is buffered (for ``timeout`` s at most, default ``flush_timeout``), then
+        stops; returns how many records the collector never acknowledged (logged as lost)."""
+        deadline = self._deadline(timeout)
+        self._wait_acknowledged(deadline)
+        with self._cond:
+            self._closed = True
+            lost = len(self._frames)
+            if lost:
+                self._abandoned = True
+            self._cond.notify_all()
+        self._thread.join(max(0.1, deadline - time.monotonic()))
+        if lost:
+            logger.error("SocketSink to %s:%d closed with %d records the collector never "
+                         "acknowledged; they are lost (%s)", *self.address, lost,
+                         self.problem or "the collector was too slow")
+        return lost

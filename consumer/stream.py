@@ -1,21 +1,28 @@
-"""The record stream: tapped values as a versioned msgpack stream, readable from any language.
+"""The record stream: tapped values as a versioned, framed msgpack stream, readable anywhere.
 
-A stream is a sequence of msgpack maps. The first is a header ``{"format": "hostcallback-stream",
-"version": 1, ...}``; each following map is one tap record (docs/stream-format.md lists its keys).
-Arrays travel as ``{"__ndarray__": dtype name, "shape": [...], "data": raw bytes}``, so every
-dtype, bfloat16 and the other ml_dtypes included, round-trips bit for bit. Readers skip a torn last
-record (a crash mid-write) and keep every complete one before it. This module never touches JAX.
+A stream is a sequence of frames (version 2): a 4-byte sync marker, the payload's length and CRC-32,
+then one msgpack map. The first map is a header ``{"format": "hostcallback-stream", "version": 2,
+...}``; each following map is one tap record ("Record stream format" lists its keys). Arrays travel
+as ``{"__ndarray__": dtype name, "shape": [...], "data": raw bytes}``, so every dtype, bfloat16 and
+the other ml_dtypes included, round-trips bit for bit.
+
+Readers keep every intact record: after damage they resynchronise at the next sync marker and
+report the skipped byte range; a torn last record (a crash mid-write) is reported the same way.
+Version-1 streams (plain msgpack maps, no frames) still read. This module never touches JAX.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import os
+import re
 import socket
 import struct
 import time
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy by name)
@@ -23,12 +30,28 @@ import msgpack
 import numpy as np
 
 FORMAT = "hostcallback-stream"
-VERSION = 1
-SUPPORTED_VERSIONS = (1,)
+VERSION = 2
+SUPPORTED_VERSIONS = (1, 2)
+
+# Every item of a version-2 stream is framed: SYNC, payload length, CRC-32 of the payload (both
+# little-endian uint32), payload. 0xc1 never starts a msgpack value, so a version-1 reader stops
+# at once, and after damage a reader finds the next frame by searching for SYNC.
+SYNC = b"\xc1hcb"
+FRAME = struct.Struct("<4sII")
+# Every version-1 record written by TapRecord.to_map starts with these bytes (a 12-entry map whose
+# first key is "name"): where version-1 readers resynchronise.
+_V1_RECORD = b"\x8c\xa4name"
 
 # Over TCP the collector answers with the number of records it has received on the connection
 # so far, as one of these, after each batch it writes; the sender forgets what is acknowledged.
+# REFUSED instead, then a uint32 length and a UTF-8 reason, means the collector hangs up on purpose.
 ACK = struct.Struct("<Q")
+REFUSED = (1 << 64) - 1
+REASON = struct.Struct("<I")
+# The shared token a collector may require; SocketSink presents it in its stream header.
+TOKEN_VARIABLE = "HOSTCALLBACK_COLLECTOR_TOKEN"
+
+logger = logging.getLogger("hostcallback.stream")
 
 _ARRAY = "__ndarray__"
 _TUPLE = "__tuple__"
@@ -57,7 +80,8 @@ class TapRecord:
     source: str = ""  # set by the collector: which connection the record came through
 
     def to_map(self) -> dict[str, Any]:
-        fields = dataclasses.asdict(self)
+        # Not dataclasses.asdict: it deep-copies every value first (most of a record's cost).
+        fields = {name: getattr(self, name) for name in _RECORD_FIELDS}
         fields["value"] = encode_value(self.value)
         fields["metadata"] = encode_value(self.metadata)
         fields["transforms"] = [encode_value(t) for t in self.transforms]
@@ -71,6 +95,9 @@ class TapRecord:
         fields["metadata"] = decode_value(fields.get("metadata") or {})
         fields["transforms"] = [decode_value(t) for t in fields.get("transforms") or []]
         return cls(**fields)
+
+
+_RECORD_FIELDS = tuple(field.name for field in dataclasses.fields(TapRecord))  # "name" first
 
 
 def encode_value(value: Any) -> Any:
@@ -121,16 +148,26 @@ def pack(item: dict[str, Any]) -> bytes:
     return msgpack.packb(item, use_bin_type=True)
 
 
+def frame(payload: bytes) -> bytes:
+    """One version-2 frame around an already packed msgpack value."""
+    return FRAME.pack(SYNC, len(payload), zlib.crc32(payload)) + payload
+
+
+def frame_item(item: dict[str, Any]) -> bytes:
+    """A header or record map, packed and framed: what writers append, one whole frame per write."""
+    return frame(pack(item))
+
+
 class StreamWriter:
-    """Writes a header, then one packed record per write(); the caller owns the file."""
+    """Writes a header, then one framed record per write(); the caller owns the file."""
 
     def __init__(self, file: BinaryIO, write_header: bool = True, **header: Any) -> None:
         self.file = file
         if write_header:
-            file.write(pack(stream_header(**header)))
+            file.write(frame_item(stream_header(**header)))
 
     def write(self, record: TapRecord) -> int:
-        data = pack(record.to_map())
+        data = frame_item(record.to_map())
         self.file.write(data)
         return len(data)
 
@@ -144,52 +181,305 @@ def check_header(item: Any) -> dict[str, Any]:
     return item
 
 
+@dataclasses.dataclass(frozen=True)
+class SkippedRange:
+    """Bytes ``[start, end)`` of a stream that held no intact record, and why."""
+
+    start: int
+    end: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"skipped bytes {self.start}-{self.end} ({self.end - self.start} bytes): {self.reason}"
+
+
+class _Damaged(Exception):
+    """An item that is not intact; the reader skips it and resynchronises."""
+
+
 class StreamReader:
     """Reads records from bytes fed in pieces (a file being followed, a socket).
 
-    Headers may recur (a rotated or concatenated stream); each is checked. Incomplete bytes wait
-    for more; ``feed`` never raises for a record that is merely cut short.
+    Headers may recur (a rotated, concatenated or collected stream); each is checked. Incomplete
+    bytes wait for more; ``feed`` never raises for a record that is merely cut short, nor for
+    damage after the header: the damaged bytes are skipped up to the next intact frame and
+    recorded in ``skipped`` (and passed to ``on_skip``). Call ``finish()`` at the end of the data
+    to resynchronise past a damaged length and to report a torn last record.
     """
 
-    def __init__(self, max_buffer_size: int = 1 << 30) -> None:
-        self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=max_buffer_size,
-                                          strict_map_key=False)
+    def __init__(self, max_buffer_size: int = 1 << 30,
+                 on_skip: Callable[[SkippedRange], None] | None = None) -> None:
+        self.max_item_bytes = max_buffer_size
+        self.on_skip = on_skip
         self.header: dict[str, Any] | None = None
+        self.skipped: list[SkippedRange] = []
+        self._buffer = bytearray()
+        self._base = 0  # stream offset of _buffer[0]
+        self._version: int | None = None  # 1: plain msgpack items, 2: frames
+        self._damage: tuple[int, str] | None = None  # (start offset, reason) while skipping
+        self._source = ""  # the collector's segment header names the source of what follows
 
     def feed(self, data: bytes) -> list[TapRecord]:
-        self._unpacker.feed(data)
-        records = []
-        try:
-            for item in self._unpacker:
-                if isinstance(item, dict) and item.get("format") == FORMAT:
-                    self.header = check_header(item)
-                    continue
-                if self.header is None:
-                    raise StreamFormatError("stream does not start with a hostcallback header")
-                if not isinstance(item, dict) or "name" not in item:
-                    raise StreamFormatError(f"unexpected item in the stream: {type(item).__name__}")
-                records.append(TapRecord.from_map(item))
-        except StreamFormatError:
-            raise
-        except Exception as error:  # msgpack's errors, or a record whose fields do not decode
-            raise StreamFormatError(
-                f"corrupt record stream: {type(error).__name__}: {error}") from error
+        self._buffer += data
+        return self._parse(final=False)
+
+    def finish(self) -> list[TapRecord]:
+        """The records left in what was fed; reports a torn or damaged end as skipped."""
+        records = self._parse(final=True)
+        if self._buffer or self._damage is not None:
+            end = self._base + len(self._buffer)
+            start, reason = self._damage if self._damage is not None else (self._base, "")
+            self._damage = None
+            self._report(start, end, reason or "torn last record (the writer stopped mid-write)")
+            self._base, self._buffer = end, bytearray()
         return records
 
+    # ---- parsing ----
 
-def read_records(path_or_file) -> Iterator[TapRecord]:
-    """Every complete record of a stream file, in order; a torn last record is skipped."""
-    file = open(path_or_file, "rb") if isinstance(path_or_file, (str, os.PathLike)) else path_or_file
+    def _report(self, start: int, end: int, reason: str) -> None:
+        if end > start:
+            skipped = SkippedRange(start, end, reason)
+            self.skipped.append(skipped)
+            if self.on_skip is not None:
+                self.on_skip(skipped)
+
+    def _mark_damaged(self, position: int, reason: str) -> None:
+        if self._version is None:
+            raise StreamFormatError(f"stream does not start with a hostcallback header ({reason})")
+        if self._damage is None:
+            self._damage = (self._base + position, reason)
+
+    def _intact_at(self, position: int) -> None:
+        if self._damage is not None:
+            start, reason = self._damage
+            self._damage = None
+            self._report(start, self._base + position, reason)
+
+    def _resync(self, start: int) -> int | None:
+        """Where the next frame (or, in a version-1 stream, record) may start, from ``start``."""
+        found = self._buffer.find(SYNC, start)
+        if self._version == 1:
+            v1 = self._buffer.find(_V1_RECORD, start, found if found >= 0 else len(self._buffer))
+            if v1 >= 0:
+                return v1
+        return found if found >= 0 else None
+
+    def _parse(self, final: bool) -> list[TapRecord]:
+        records: list[TapRecord] = []
+        buffer, position = self._buffer, 0
+        while position < len(buffer):
+            try:
+                if len(buffer) - position < len(SYNC) and SYNC.startswith(buffer[position:]):
+                    used = 0  # maybe the start of a frame
+                elif buffer.startswith(SYNC, position):
+                    used = self._parse_frame(position, records)
+                elif self._damage is None and self._version != 2 or (
+                        self._version == 1 and buffer.startswith(_V1_RECORD, position)):
+                    used = self._parse_plain(position, records)
+                else:  # skipping damage: look for the next frame
+                    used = -1
+                if used == 0:  # incomplete: wait for more bytes, or at the end it is damage
+                    if not final:
+                        break
+                    raise _Damaged("incomplete item followed by more data"
+                                   if self._resync(position + 1) is not None
+                                   else "torn last record (the writer stopped mid-write)")
+                if used > 0:
+                    self._intact_at(position)
+                    position += used
+                    continue
+                self._mark_damaged(position, "no frame starts here")
+            except _Damaged as damage:
+                self._mark_damaged(position, str(damage))
+            following = self._resync(position + 1)
+            if following is None:  # keep a tail that may hold the start of a sync marker
+                position = max(position + 1, len(buffer) - len(SYNC) + 1)
+                if final:
+                    position = len(buffer)
+                break
+            position = following
+        del buffer[:position]
+        self._base += position
+        return records
+
+    def _parse_frame(self, position: int, records: list[TapRecord]) -> int:
+        buffer = self._buffer
+        if len(buffer) - position < FRAME.size:
+            return 0
+        _, length, crc = FRAME.unpack_from(buffer, position)
+        if length > self.max_item_bytes:
+            raise _Damaged(f"frame length {length} is over the limit of {self.max_item_bytes}")
+        end = position + FRAME.size + length
+        if end > len(buffer):
+            return 0
+        payload = bytes(buffer[position + FRAME.size:end])
+        if zlib.crc32(payload) != crc:
+            raise _Damaged("CRC-32 does not match the frame's contents")
+        try:
+            item = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        except Exception as error:
+            raise _Damaged(f"frame holds no msgpack value: {error}") from error
+        self._version = self._version or 2
+        self._take(item, records)
+        return end - position
+
+    def _parse_plain(self, position: int, records: list[TapRecord]) -> int:
+        """Version-1 items (bare msgpack maps) from ``position``, up to the next frame or damage;
+        the bytes they used (0: the first is incomplete)."""
+        rest = bytes(self._buffer[position:])
+        unpacker = msgpack.Unpacker(raw=False, strict_map_key=False,
+                                    max_buffer_size=max(len(rest), 1))
+        unpacker.feed(rest)
+        used = 0
+        while used < len(rest) and not rest.startswith(SYNC, used):
+            try:
+                item = unpacker.unpack()
+                if self._version is None:
+                    if not (isinstance(item, dict) and item.get("format") == FORMAT):
+                        raise StreamFormatError("stream does not start with a hostcallback header")
+                    self._version = 1
+                self._take(item, records)
+            except msgpack.OutOfData:
+                break
+            except (StreamFormatError, _Damaged):
+                if used:
+                    break
+                raise
+            except Exception as error:
+                if used:
+                    break
+                raise _Damaged(f"corrupt record stream: {type(error).__name__}: {error}") from error
+            used = unpacker.tell()
+        return used
+
+    def _take(self, item: Any, records: list[TapRecord]) -> None:
+        if isinstance(item, dict) and item.get("format") == FORMAT:
+            self.header = check_header(item)  # a version this reader does not know: refused
+            self._source = str(item.get("source", ""))
+            return
+        if not isinstance(item, dict) or "name" not in item:
+            raise _Damaged(f"unexpected item in the stream: {type(item).__name__}")
+        try:
+            record = TapRecord.from_map(item)
+        except Exception as error:  # fields that do not decode
+            raise _Damaged(f"record does not decode: {type(error).__name__}: {error}") from error
+        if not record.source:
+            record.source = self._source
+        records.append(record)
+
+
+def _warn_skipped(name: str) -> Callable[[SkippedRange], None]:
+    def report(skipped: SkippedRange) -> None:
+        logger.warning("%s: %s; every intact record before and after it is kept", name, skipped)
+    return report
+
+
+def read_records(path_or_file, skipped: list[SkippedRange] | None = None) -> Iterator[TapRecord]:
+    """Every intact record of a stream file, in order.
+
+    Damaged regions and a torn last record are skipped; each skipped byte range is appended to
+    ``skipped`` if given, else logged as a warning on ``hostcallback.stream``.
+    """
+    file = open(path_or_file, "rb") if isinstance(path_or_file, (str, os.PathLike)) else path_or_file  # noqa: SIM115
+    name = os.fspath(path_or_file) if file is not path_or_file else getattr(file, "name", "stream")
+    reader = StreamReader(on_skip=skipped.append if skipped is not None else _warn_skipped(name))
     try:
-        reader = StreamReader()
         while True:
             chunk = file.read(1 << 20)
             if not chunk:
-                return
+                break
             yield from reader.feed(chunk)
+        yield from reader.finish()
     finally:
         if file is not path_or_file:
             file.close()
+
+
+def stream_files(path: str | os.PathLike) -> list[str]:
+    """A stream's files, oldest first: ``path.N`` ... ``path.1`` (rotated by FileSink), ``path``."""
+    path = os.fspath(path)
+    directory, base = os.path.split(path)
+    pattern = re.compile(re.escape(base) + r"\.(\d+)$")
+    rotated = []
+    for entry in os.listdir(directory or "."):
+        match = pattern.match(entry)
+        if match:
+            rotated.append((int(match.group(1)), os.path.join(directory, entry)))
+    files = [name for _, name in sorted(rotated, reverse=True)]
+    if os.path.exists(path) or not files:
+        files.append(path)
+    return files
+
+
+def read_stream(path: str | os.PathLike,
+                skipped: list[SkippedRange] | None = None) -> Iterator[TapRecord]:
+    """Every intact record of a stream and its rotated files, oldest first."""
+    for name in stream_files(path):
+        yield from read_records(name, skipped)
+
+
+def _listing(path: str) -> list[tuple[str, int]] | None:
+    try:
+        return [(name, os.stat(name).st_ino) for name in stream_files(path)]
+    except FileNotFoundError:  # a rotation is renaming files right now
+        return None
+
+
+def _open_next(path: str, inode: int) -> BinaryIO:
+    """The file written after the one with ``inode``, once ``path`` rotated (maybe many times)."""
+    while True:
+        listing = _listing(path)
+        if listing is None or listing != _listing(path):  # only a listing that holds still
+            time.sleep(0.01)
+            continue
+        inodes = [number for _, number in listing]
+        # If ours was rotated away, every file left is newer: the oldest comes next.
+        index = inodes.index(inode) + 1 if inode in inodes else 0
+        name, expected = listing[min(index, len(listing) - 1)]
+        try:
+            file = open(name, "rb")  # noqa: SIM115 (the caller owns it)
+        except FileNotFoundError:
+            continue
+        if os.fstat(file.fileno()).st_ino == expected:
+            return file
+        file.close()
+
+
+def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
+                   should_stop: Callable[[], bool] | None = None) -> Iterator[TapRecord]:
+    """The records of a growing stream file, as they are written; follows rotation.
+
+    When FileSink rotates ``path`` to ``path.1`` (once or many times between two looks), the rest
+    of the old file is read, then each newer file in turn. Damage is skipped and logged as in
+    read_records. Ends when ``should_stop()`` is true at the end of the data.
+    """
+    path = os.fspath(path)
+    file = open(path, "rb")  # noqa: SIM115 (replaced as the stream rotates)
+    reader = StreamReader(on_skip=_warn_skipped(path))
+    try:
+        while True:
+            chunk = file.read(1 << 20)
+            if chunk:
+                yield from reader.feed(chunk)
+                continue
+            try:
+                current = os.stat(path)
+            except FileNotFoundError:  # between a rotation's rename and the new file
+                current = None
+            opened = os.fstat(file.fileno())
+            if current is not None and current.st_ino != opened.st_ino:
+                chunk = file.read()  # a last write may have landed since
+                records = reader.feed(chunk) + reader.finish() if chunk else reader.finish()
+                yield from records
+                file.close()
+                file = _open_next(path, opened.st_ino)
+                reader = StreamReader(on_skip=_warn_skipped(file.name))
+                continue
+            if should_stop is not None and should_stop():
+                return
+            time.sleep(poll_seconds)
+    finally:
+        file.close()
 
 
 def dumps(records: list[TapRecord], **header: Any) -> bytes:

@@ -1,6 +1,6 @@
 """hostcallback: see values from inside jitted JAX code on the host, without Python on the device thread.
 
-The public API, and nothing else. See docs/architecture.md for how a tap travels.
+The public API, and nothing else. The "Architecture" document says how a tap travels.
 """
 
 from hostcallback import config

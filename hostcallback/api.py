@@ -7,16 +7,18 @@ error that names the argument and says what to do instead.
 
 from __future__ import annotations
 
+import inspect
+import string
 from collections.abc import Callable
+from itertools import repeat
 from typing import Any, TextIO
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import tree_util
 from jax._src import core
 
-from hostcallback import config, primitive, printing, transport, wire
+from hostcallback import config, primitive, printing, reentry, transport, wire
 from hostcallback.flavors import CallbackFlavor, check_vmap_method, flavor_of
 from hostcallback.receiver import receivers
 from hostcallback.registry import Consumer, registry
@@ -31,12 +33,9 @@ def _leaf_to_array(path, leaf):
             f"hostcallback can only tap arrays and numbers, but {where} is a "
             f"{type(leaf).__name__} ({leaf!r:.60}). Pass it through functools.partial to the tap "
             "function, or leave it out of the tapped value.")
-    dtype = getattr(leaf, "dtype", None)
-    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        raise TypeError(
-            f"{where} is a PRNG key array ({dtype}); tap its bits with jax.random.key_data(key) "
-            "instead.")
-    array = jnp.asarray(leaf)
+    # device_put, not jnp.asarray: for numpy values and Python numbers outside a trace,
+    # jnp.asarray compiles a computation of its own (an eager call would compile two).
+    array = leaf if isinstance(leaf, jax.Array) else jax.device_put(leaf)
     try:
         wire.dtype_code(array.dtype)
     except wire.UnsupportedDtypeError as error:
@@ -54,6 +53,7 @@ def _tap(consumer: Consumer, leaves, device_index: int, ordered: bool | None,
             "partitioned=True taps cannot also be ordered=True (HOSTCALLBACK_ORDERED=1 sets it "
             "by default): each shard's tap runs in its own per-device computation. Pass "
             "ordered=False.")
+    reentry.refuse_inside_consumer("a call" if "result_avals" in call_params else "a tap")
     receivers.ensure_started()
     return primitive.bind(
         leaves, consumer_id=registry.register(consumer), transport=transport.default_transport(),
@@ -69,9 +69,30 @@ def _accept_tap_with_transform(kwargs: dict) -> None:
             "tap_func(arg, transforms). Ignore the second argument if you do not need it.")
 
 
+def _is_key_array(leaf) -> bool:
+    dtype = getattr(leaf, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
 def _flatten(arg):
+    """The leaves to tap, their structure, and per leaf the PRNG implementation of a key array
+    (empty when there are none): a key travels as its key data and is a key again on the host."""
     paths_and_leaves, treedef = tree_util.tree_flatten_with_path(arg)
-    return [_leaf_to_array(path, leaf) for path, leaf in paths_and_leaves], treedef
+    key_impls = tuple(str(jax.random.key_impl(leaf)) if _is_key_array(leaf) else None
+                      for _, leaf in paths_and_leaves)
+    if not any(key_impls):
+        key_impls = ()
+    leaves = [_leaf_to_array(path, jax.random.key_data(leaf) if impl else leaf)
+              for (path, leaf), impl in zip(paths_and_leaves, key_impls or repeat(None))]
+    return leaves, treedef, key_impls
+
+
+def _unflatten(treedef, outs, key_impls: tuple):
+    """What a tap returns: its argument, with key arrays made keys again."""
+    if key_impls:
+        outs = [jax.random.wrap_key_data(out, impl=impl) if impl else out
+                for out, impl in zip(outs, key_impls)]
+    return tree_util.tree_unflatten(treedef, outs)
 
 
 def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
@@ -85,9 +106,9 @@ def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
     ``tap_with_device=True`` the call is ``tap_func(arg, transforms, device=d)``. Errors in
     ``tap_func`` surface at the next ``barrier_wait()`` as CallbackException.
 
-    Taps of one straight-line block (and of one loop body or branch) run in program order. With
-    ``ordered=True`` (default: ``HOSTCALLBACK_ORDERED``) ordered taps also keep program order across
-    loops, branches and nested jits, at the cost of JAX's slower dispatch (docs/performance.md).
+    Per device, taps run in program order, across loops, branches and nested jits. With
+    ``ordered=True`` (default: ``HOSTCALLBACK_ORDERED``) they also keep order across separate
+    computations, at the cost of JAX's slower dispatch (see "Performance" in the documentation).
     ``callback_flavor=CallbackFlavor.PURE`` lets JAX drop the tap when its result is unused.
     ``device_index`` picks which of a computation's devices taps a value that is not split over
     them (a sharded jit); under pmap and shard_map each device taps its own part. With
@@ -100,17 +121,43 @@ def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
     _accept_tap_with_transform(kwargs)
     if kwargs:
         raise TypeError(
-            f"id_tap() got unexpected keyword argument(s) {', '.join(sorted(kwargs))}. Tap "
-            "functions are called as tap_func(arg, transforms); to give yours more parameters, "
-            "bind them first: id_tap(functools.partial(tap_func, name=value), arg).")
+            "Support for **kwargs in ``id_tap`` has been removed. Instead, pre-apply keyword "
+            "arguments, either by using a closure or by passing "
+            "``functools.partial(tap_func, **kwargs)``. "
+            f"(id_tap() got keyword argument(s) {', '.join(sorted(kwargs))}; tap functions are "
+            "called as tap_func(arg, transforms), so bind the others first: "
+            "id_tap(functools.partial(tap_func, name=value), arg).)")
     if not callable(tap_func):
         raise TypeError(f"id_tap() needs a callable tap_func, got {type(tap_func).__name__}")
-    leaves, treedef = _flatten(arg)
+    _check_arity(tap_func, "id_tap", 2, tap_with_device,
+                 "tap_func(arg, transforms" + (", device=d)" if tap_with_device else ")"),
+                 "def tap_func(arg, transforms" + (", device):" if tap_with_device else "):")
+                 + " ...  (a jax.debug.callback-style fn(x) becomes "
+                 "lambda x, transforms: fn(x))")
+    leaves, treedef, key_impls = _flatten(arg)
     consumer = Consumer(func=tap_func, treedef=treedef, with_device=tap_with_device,
-                        name=getattr(tap_func, "__name__", ""))
+                        name=getattr(tap_func, "__name__", ""), key_impls=key_impls)
     outs = _tap(consumer, leaves, device_index, ordered, flavor_of(callback_flavor),
                 **_tap_only_params(partitioned, replays))
-    return result if result is not None else tree_util.tree_unflatten(treedef, outs)
+    return result if result is not None else _unflatten(treedef, outs, key_impls)
+
+
+def _check_arity(func: Callable[..., Any], api: str, positional: int, with_device: bool,
+                 called_as: str, right_form: str, keywords: tuple[str, ...] = ()) -> None:
+    """Refuses at trace time a function the receiver could not call, with the right form,
+    instead of an error at the next barrier. Functions without a signature are not checked."""
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):
+        return
+    bound_keywords = dict.fromkeys(keywords) | ({"device": None} if with_device else {})
+    try:
+        signature.bind(*([None] * positional), **bound_keywords)
+    except TypeError as error:
+        name = getattr(func, "__name__", type(func).__name__)
+        raise TypeError(
+            f"{api}() will call {called_as}, but {name}{signature} cannot be called that way "
+            f"({error}). Write it as {right_form}") from None
 
 
 def _tap_only_params(partitioned: bool, replays: str) -> dict:
@@ -143,7 +190,30 @@ class _Printer:
                            threshold=self.threshold, **self.metadata)
 
 
-def id_print(arg: Any, *, result: Any = None, tap_with_device: bool = False,
+class _FormatPrinter:
+    """id_print's consumer for a format string; equal for equal strings and streams."""
+
+    __slots__ = ("fmt", "output_stream")
+
+    def __init__(self, fmt: str, output_stream: TextIO | None) -> None:
+        self.fmt, self.output_stream = fmt, output_stream
+
+    def _key(self):
+        return (self.fmt, id(self.output_stream))
+
+    def __eq__(self, other):
+        return isinstance(other, _FormatPrinter) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __call__(self, arg, transforms, device=None):
+        args, kwargs = arg
+        printing.print_formatted(self.fmt, args, kwargs, transforms, device=device,
+                                 output_stream=self.output_stream)
+
+
+def id_print(arg: Any, *fmt_args: Any, result: Any = None, tap_with_device: bool = False,
              output_stream: TextIO | None = None, threshold: int | None = None,
              ordered: bool | None = None, device_index: int = 0,
              callback_flavor: CallbackFlavor | str | None = None, partitioned: bool = False,
@@ -153,16 +223,64 @@ def id_print(arg: Any, *, result: Any = None, tap_with_device: bool = False,
     Keyword arguments become a first line of sorted ``key: value`` metadata, e.g.
     ``id_print(loss, what="loss")`` prints ``what: loss`` and then the value. The other
     keywords mean what they mean for ``id_tap``.
+
+    With a format string, as ``jax.debug.print`` is written, the other positional and keyword
+    arguments are tapped and formatted on the host with ``str.format``:
+    ``id_print("step {step}: loss {loss:.4f}", step=step, loss=loss)`` prints one line and
+    returns ``result`` (None without one).
     """
     _accept_tap_with_transform(kwargs)
-    leaves, treedef = _flatten(arg)
+    if isinstance(arg, str):
+        return _id_print_formatted(arg, fmt_args, kwargs, result=result,
+                                   tap_with_device=tap_with_device, output_stream=output_stream,
+                                   device_index=device_index, ordered=ordered,
+                                   flavor=flavor_of(callback_flavor),
+                                   params=_tap_only_params(partitioned, replays))
+    if fmt_args:
+        raise TypeError(
+            f"id_print() got {len(fmt_args)} extra positional argument(s) after a value that is "
+            "not a format string. Tap several values as one pytree, id_print((x, y)), or pass a "
+            'format string first: id_print("x={} y={}", x, y)')
+    leaves, treedef, key_impls = _flatten(arg)
     printer = _Printer(output_stream, threshold, dict(kwargs))
     consumer = Consumer(func=printer, treedef=treedef, with_device=tap_with_device,
                         metadata=tuple(sorted((k, repr(v)) for k, v in kwargs.items())),
-                        name=str(kwargs.get("what", "id_print")))
+                        name=str(kwargs.get("what", "id_print")), key_impls=key_impls)
     outs = _tap(consumer, leaves, device_index, ordered, flavor_of(callback_flavor),
                 **_tap_only_params(partitioned, replays))
-    return result if result is not None else tree_util.tree_unflatten(treedef, outs)
+    return result if result is not None else _unflatten(treedef, outs, key_impls)
+
+
+def _check_format_fields(fmt: str, args: tuple, kwargs: dict) -> None:
+    """A field with no value would fail on the host, at the next barrier; refuse it here."""
+    auto = 0
+    try:
+        fields = [field for _, field, _, _ in string.Formatter().parse(fmt) if field is not None]
+    except ValueError as error:
+        raise ValueError(f"id_print({fmt!r}, ...): not a valid format string: {error}") from None
+    for field in fields:
+        name = field.split(".", 1)[0].split("[", 1)[0]
+        if name == "":
+            name, auto = str(auto), auto + 1
+        if name.isdigit() and int(name) >= len(args):
+            raise ValueError(f"id_print({fmt!r}, ...) has a field {{{field}}} but only "
+                             f"{len(args)} positional value(s) after the format string")
+        if not name.isdigit() and name not in kwargs:
+            raise ValueError(f"id_print({fmt!r}, ...) has a field {{{field}}} but no keyword "
+                             f"argument {name}=...; pass id_print(fmt, {name}=value)")
+
+
+def _id_print_formatted(fmt: str, args: tuple, kwargs: dict, *, result: Any,
+                        tap_with_device: bool, output_stream: TextIO | None, device_index: int,
+                        ordered: bool | None, flavor: CallbackFlavor, params: dict) -> Any:
+    """Taps ``(args, kwargs)`` for a format string; the string itself stays on the host."""
+    _check_format_fields(fmt, args, kwargs)
+    leaves, treedef, key_impls = _flatten((tuple(args), dict(kwargs)))
+    consumer = Consumer(func=_FormatPrinter(fmt, output_stream), treedef=treedef,
+                        with_device=tap_with_device, name="id_print",
+                        metadata=(("format", fmt),), key_impls=key_impls)
+    _tap(consumer, leaves, device_index, ordered, flavor, **params)
+    return result
 
 
 def barrier_wait(logging_name: str | None = None, *, timeout: float | None = None) -> None:
@@ -203,8 +321,10 @@ def _result_spec(result_shape) -> tuple[tree_util.PyTreeDef, tuple]:
             shape, dtype = (), np.asarray(leaf).dtype
         else:
             raise ValueError(
-                f"{where} is a {type(leaf).__name__}; result_shape must be a pytree of objects "
-                "with .shape and .dtype (e.g. jax.ShapeDtypeStruct) or of numeric scalars")
+                f"{where} is a {type(leaf).__name__} ({leaf!r:.60}). result_shape should be a "
+                "pytree of values with structure matching the expected result of the callback "
+                "function. The values must be either numeric scalars, or must have 'shape' and "
+                "'dtype' attributes (e.g. jax.ShapeDtypeStruct)")
         try:
             shape = tuple(int(d) for d in shape)
             dtype = jax.dtypes.canonicalize_dtype(dtype)
@@ -240,9 +360,15 @@ def call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any = Non
         raise TypeError(f"call() needs a callable callback_func, got {type(callback_func).__name__}")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if not isinstance(callback_func, _CallWithArgs):
+        _check_arity(callback_func, "call", 1, call_with_device,
+                     "callback_func(arg" + (", device=d)" if call_with_device else ")"),
+                     "def callback_func(arg" + (", device):" if call_with_device else "):")
+                     + " ...  (pack several arguments into one pytree: call(f, (x, y)) calls "
+                     "f((x, y)))")
     flavor = flavor_of(callback_flavor)
     check_vmap_method(vmap_method)
-    leaves, treedef = _flatten(arg)
+    leaves, treedef, key_impls = _flatten(arg)
     result_treedef, result_avals = _result_spec(result_shape)
     if flavor is CallbackFlavor.DEBUG and result_avals:
         raise ValueError(
@@ -250,7 +376,8 @@ def call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any = Non
             "jax.debug.callback); drop result_shape, or use IO_CALLBACK or PURE")
     consumer = Consumer(func=callback_func, treedef=treedef, with_device=call_with_device,
                         name=getattr(callback_func, "__name__", repr(callback_func)),
-                        result_treedef=result_treedef, result_avals=result_avals)
+                        result_treedef=result_treedef, result_avals=result_avals,
+                        key_impls=key_impls, x64=bool(jax.config.jax_enable_x64))
     if flavor is CallbackFlavor.DEBUG:
         # Nothing comes back, so the device does not wait: the record travels as a tap does.
         _tap(consumer, leaves, device_index, ordered, flavor)
@@ -311,5 +438,10 @@ def pure_callback(callback: Callable[..., Any], result_shape_dtypes: Any, *args:
             "hostcallback.call(..., device_index=i, callback_flavor=CallbackFlavor.PURE)")
     if not callable(callback):
         raise TypeError(f"pure_callback() needs a callable, got {type(callback).__name__}")
+    _check_arity(callback, "pure_callback", len(args), False,
+                 f"callback(*args, **kwargs) with {len(args)} argument(s)"
+                 + (f" and keyword(s) {', '.join(sorted(kwargs))}" if kwargs else ""),
+                 "a function that takes the arguments given after result_shape_dtypes",
+                 keywords=tuple(kwargs))
     return call(_CallWithArgs(callback), (args, kwargs), result_shape=result_shape_dtypes,
                 callback_flavor=CallbackFlavor.PURE, vmap_method=vmap_method)

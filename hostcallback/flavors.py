@@ -1,7 +1,7 @@
 """The knobs that say how JAX may treat a callback: its flavor, and how `call` batches under vmap.
 
 They mirror the old ``host_callback.CallbackFlavor`` and ``jax.pure_callback``'s ``vmap_method``,
-so code written against those references keeps its meaning here (docs/migration.md).
+so code written against those references keeps its meaning here ("Migrating to hostcallback").
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import enum
 
 
 class CallbackFlavor(enum.Enum):
-    """What JAX may do with a tap or call; the table in docs/transformations.md has the details.
+    """What JAX may do with a tap or call; "Taps and calls under JAX transformations" has a table.
 
     IO_CALLBACK (default): never removed, never duplicated, program order per device.
     PURE: like ``jax.pure_callback``: removed when its result is unused, may be recomputed.

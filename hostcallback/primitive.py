@@ -4,12 +4,13 @@ Its rules sit below its definition, top to bottom: effects, abstract eval, dead-
 elimination, batching (vmap_method for calls), jvp, transpose (taps on tangents), the remat split
 (replays), lowering (sharded jits in sharded_lowering.py).
 
-By default a tap declares no JAX effect: any effect sends the whole computation through JAX's
-slow Python dispatch (70 to 180 us a call on a 2-core CPU) even when the tap never fires. Such a
-tap is kept alive by its own DCE rule (and keep_taps.py for the control flow around it) and is
-ordered after the previous tap of the same block by a token chain in the lowering. An
-``ordered=True`` tap declares a shardable ordered effect instead, and JAX threads its token
-through loops, branches and calls: strict program order, at JAX's dispatch cost.
+A tap declares ProgramOrderEffect, an ordered effect that JAX threads through loops, branches
+and calls, so the taps of a computation reach the host in program order; program_order.py keeps
+the effect out of the computation's top level, so JAX's fast dispatch path stays (see there). An
+``ordered=True`` tap declares a strict ordered effect instead, whose token JAX also passes between
+computations at run time: order across computations, at JAX's dispatch cost. A PURE tap declares
+none. A tap is kept alive by its effect, its own DCE rule, and keep_taps.py for the control flow
+around it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import dataclasses
 import weakref
 
 import jax
-from jax._src import core, dispatch, effects, sharding_impls
+from jax._src import core, dispatch, sharding_impls
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lib.mlir import ir
@@ -26,6 +27,7 @@ from jax.extend.core import Primitive
 
 from hostcallback import keep_taps, sharded_lowering
 from hostcallback.flavors import VMAP_METHODS, CallbackFlavor
+from hostcallback.program_order import ordered_tap_effect, program_order_effect
 from hostcallback.registry import registry
 
 outside_call_p = Primitive("outside_call")
@@ -39,6 +41,8 @@ ALL_DEVICES = sharded_lowering.ALL_DEVICES
 PURE = CallbackFlavor.PURE.value  # JAX may drop such a callback when its result is unused
 REPLAYS = ("deliver", "mark", "skip")  # what a tap does when jax.checkpoint recomputes it
 _SKIPPED = "skipped"  # the replayed copy of a replays="skip" tap: lowers to nothing
+# shard_callback: the host callback a partitioned tap's shards call (callback transport), or none.
+NO_SHARD_CALLBACK = -1
 
 
 def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
@@ -50,23 +54,12 @@ def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
                                ordered=ordered, device_index=device_index,
                                emit_device=ALL_DEVICES, result_avals=result_avals,
                                timeout_s=timeout_s, flavor=flavor, vmap_method=vmap_method,
-                               partitioned=partitioned, replays=replays)
+                               partitioned=partitioned, replays=replays,
+                               shard_callback=NO_SHARD_CALLBACK)
 
 
-# ---- effects ---------------------------------------------------------------------------------
-
-
-class OrderedTapEffect(effects.Effect):
-    """Taps that keep strict program order with each other, on each device."""
-
-    __str__ = __repr__ = lambda self: "HostcallbackOrderedTap"
-
-
-ordered_tap_effect = OrderedTapEffect()
-for _effect_set in (effects.lowerable_effects, effects.control_flow_allowed_effects,
-                    effects.ordered_effects, effects.shardable_ordered_effects,
-                    effects.custom_derivatives_allowed_effects, effects.remat_allowed_effects):
-    _effect_set.add_type(OrderedTapEffect)
+# ---- effects: ProgramOrderEffect by default, OrderedTapEffect for ordered=True, none for PURE;
+# both are defined, and kept off a computation's top level, in program_order.py.
 
 
 # ---- evaluation ------------------------------------------------------------------------------
@@ -79,9 +72,13 @@ def _impl(*args, **params):
 outside_call_p.def_impl(_impl)
 
 
-def _abstract_eval(*avals, ordered, result_avals, **params):
+def _abstract_eval(*avals, ordered, result_avals, flavor, **params):
     outs = avals if result_avals is None else result_avals
-    return outs, ({ordered_tap_effect} if ordered else core.no_effects)
+    if ordered:
+        return outs, {ordered_tap_effect}
+    if flavor == PURE:  # JAX may drop it, so it takes no part in the order either
+        return outs, core.no_effects
+    return outs, {program_order_effect}
 
 
 outside_call_p.def_effectful_abstract_eval(_abstract_eval)
@@ -120,7 +117,7 @@ def _batch_call(args, dims, *, consumer_id, result_avals, vmap_method, **params)
             f"vmap of hostcallback.call ({consumer.name}) needs a vmap_method: one of "
             f"{', '.join(map(repr, VMAP_METHODS))}. 'sequential' calls the host once per batch "
             "element; 'expand_dims' and 'broadcast_all' call it once with the whole batch "
-            "(docs/transformations.md)")
+            "(see \"Taps and calls under JAX transformations\" in the documentation)")
     (size,) = {arg.shape[d] for arg, d in zip(args, dims) if d is not None}
     args = [arg if d is None else batching.moveaxis(arg, d, 0) for arg, d in zip(args, dims)]
     if vmap_method in ("sequential", "sequential_unrolled"):
@@ -157,8 +154,8 @@ def _jvp_rule(primals, tangents, **params):
         raise TypeError(
             f"hostcallback.call ({registry.get(params['consumer_id']).name}) cannot be "
             "differentiated: JAX cannot see inside host code. Wrap it in jax.custom_vjp and "
-            "compute the backward pass yourself (it may be another call); see "
-            "docs/transformations.md")
+            "compute the backward pass yourself (it may be another call); see \"Taps and calls "
+            "under JAX transformations\" in the documentation")
     return outside_call_p.bind(*primals, **params), tangents
 
 
@@ -169,7 +166,8 @@ def _transpose_rule(cotangents, *args, consumer_id, **params):
     """A tap on tangent values (in a custom_jvp rule) runs backwards: it taps the cotangents,
     with ("transpose", {}) in its transforms, and passes them on, as legacy host_callback did."""
     if params["result_avals"] is not None:
-        raise TypeError("hostcallback.call cannot be transposed; see docs/transformations.md")
+        raise TypeError("hostcallback.call cannot be transposed; see \"Taps and calls under JAX "
+                        "transformations\" in the documentation")
     cotangents = [ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct for ct in cotangents]
     transposed = registry.get(consumer_id).with_transform(("transpose", {}))
     outs = outside_call_p.bind(*cotangents, consumer_id=registry.register(transposed), **params)
@@ -207,6 +205,13 @@ pe.partial_eval_jaxpr_custom_rules[outside_call_p] = _remat_rule
 # ---- lowering ----------------------------------------------------------------------------------
 
 
+_EXPORT_MESSAGE = (
+    "jax.export cannot serialize a function with a hostcallback {what} ({name}): the exported "
+    "program would name a consumer that lives only in this process. Export the function "
+    "without it (return the values you want to see as extra outputs), then tap around the "
+    "exported call: jax.jit(lambda x: hcb.id_tap(fn, exported.call(x))). See the section "
+    "\"jax.export\" in hostcallback's migration guide.")
+
 # Per MLIR module being lowered: block -> token of the last tap emitted in that block.
 _token_chains: weakref.WeakKeyDictionary[ir.Module, dict] = weakref.WeakKeyDictionary()
 
@@ -216,8 +221,8 @@ def _token_chain(ctx) -> dict:
 
 
 def _lowering(ctx, *args, platform, **params):
-    from hostcallback.transport import NATIVE_PLATFORMS, emitter_for
     from hostcallback.transport import callback as callback_transport
+    from hostcallback.transport import emitter_for
 
     consumer_id, transport, ordered, emit_device, result_avals, timeout_s = (
         params[k] for k in ("consumer_id", "transport", "ordered", "emit_device", "result_avals",
@@ -225,6 +230,9 @@ def _lowering(ctx, *args, platform, **params):
     if params["replays"] == _SKIPPED:
         return list(args)
     is_call = result_avals is not None
+    if getattr(ctx.module_context.lowering_parameters, "for_export", False):
+        raise NotImplementedError(_EXPORT_MESSAGE.format(
+            what="call" if is_call else "tap", name=registry.get(consumer_id).name or "?"))
     axis_context = ctx.module_context.axis_context
     op_sharding = None
     if isinstance(axis_context, sharding_impls.SPMDAxisContext):
@@ -239,20 +247,21 @@ def _lowering(ctx, *args, platform, **params):
         if axis_context.num_devices > 1:
             if params["partitioned"] and not is_call and args:
                 if emitter_for(transport, platform) is callback_transport:
-                    raise NotImplementedError(
-                        "partitioned=True under automatic sharding needs the native transport "
-                        f"(platforms {sorted(NATIVE_PLATFORMS)}): JAX's host callbacks cannot run "
-                        "inside the per-shard computation XLA builds. Tap inside a shard_map "
-                        "instead; there each device taps its own shard on any transport")
+                    # The per-shard computations XLA builds drop their own host callbacks, so the
+                    # one they call is registered here, with the whole computation.
+                    params["shard_callback"] = callback_transport.register_shard_callback(ctx)
                 return sharded_lowering.lower_partitioned(ctx, args, **params)
             del params["emit_device"]
             return sharded_lowering.lower_on_one_device(ctx, args, **params)
     emit = emitter_for(transport, platform)
-    if ordered:
-        # JAX threads this token through loops, branches and calls: strict program order.
-        token = ctx.tokens_in.get(ordered_tap_effect)
+    # The token that orders this tap after the previous one: JAX threads it through loops,
+    # branches and calls (program_order.py); inside a per-shard module XLA builds, or for a PURE
+    # tap, our own chain orders the taps of one block.
+    effect = ordered_tap_effect if ordered else program_order_effect
+    threaded = effect in ctx.tokens_in.effects()
+    if threaded:
+        token = ctx.tokens_in.get(effect)
     else:
-        # Our own chain: program order among the taps of one block (straight-line code).
         block = ir.InsertionPoint.current.block
         token = _token_chain(ctx).get(block) or mlir.hlo.create_token()
     if is_call:
@@ -260,21 +269,35 @@ def _lowering(ctx, *args, platform, **params):
                                 emit_device=emit_device, token=token,
                                 op_sharding=op_sharding, result_avals=result_avals,
                                 timeout_s=timeout_s)
+    elif params["shard_callback"] != NO_SHARD_CALLBACK:
+        token = callback_transport.tap_shard(ctx, list(args), consumer_id=consumer_id,
+                                             callback_index=params["shard_callback"],
+                                             token=token, op_sharding=op_sharding)
+        outs = list(args)
     else:
         token = emit.tap(ctx, list(args), consumer_id=consumer_id, emit_device=emit_device,
                          token=token, op_sharding=op_sharding)
         outs = list(args)
-    if ordered:
-        ctx.set_tokens_out(mlir.TokenSet({ordered_tap_effect: token}))
+    if threaded:
+        ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({effect: token})))
     else:
         _token_chain(ctx)[block] = token
+    return outs
+
+
+def _lowering_passing_tokens_on(ctx, *args, platform, **params):
+    """A tap that takes no part in the token chain (a skipped replay, a partitioned tap) still
+    hands its incoming tokens on, as JAX asks of every rule of an effectful primitive."""
+    outs = _lowering(ctx, *args, platform=platform, **params)
+    if ctx.tokens_out is None:
+        ctx.set_tokens_out(ctx.tokens_in)
     return outs
 
 
 for _platform in ("cpu", "cuda", "rocm", "tpu"):
     mlir.register_lowering(
         outside_call_p,
-        lambda ctx, *args, _platform=_platform, **params: _lowering(
+        lambda ctx, *args, _platform=_platform, **params: _lowering_passing_tokens_on(
             ctx, *args, platform=_platform, **params),
         platform=_platform, cacheable=False)
 

@@ -1,7 +1,10 @@
 """How id_print shows a tapped value: a line of sorted ``key: value`` metadata, then the value.
 
 Tuples print as ``( a b )``, lists as ``[ a b ]``, dicts as ``{ k=v }`` and arrays through
-``np.array2string`` with the given threshold, like the legacy host_callback.id_print.
+``np.array2string`` with the given threshold, like the legacy host_callback.id_print. Transforms
+print as legacy did: a bare name when it has no parameters (``'transpose'``), else the pair
+(``('batch', {'batch_dims': (0,)})``). A format string (``jax.debug.print``'s habit) prints one
+formatted line instead.
 """
 
 from __future__ import annotations
@@ -27,10 +30,17 @@ def format_value(value: Any, threshold: int = DEFAULT_THRESHOLD) -> str:
     return str(value)
 
 
+def legacy_transform(transform: tuple) -> Any:
+    """``('transpose', {})`` and ``('jvp',)`` print as their name, others as (name, params)."""
+    name, *rest = transform
+    params = rest[0] if rest else {}
+    return (name, params) if params else name
+
+
 def format_metadata(metadata: dict[str, Any], transforms: tuple, device: Any = None) -> str:
     fields = dict(metadata)
     if transforms:
-        fields["transforms"] = list(transforms)
+        fields["transforms"] = [legacy_transform(t) for t in transforms]
     if device is not None:
         fields["device"] = device
     return " ".join(f"{key}: {value}" for key, value in sorted(fields.items()))
@@ -43,5 +53,17 @@ def print_tap(arg: Any, transforms: tuple, *, device: Any = None, output_stream:
     header = format_metadata(metadata, transforms, device)
     body = format_value(arg, DEFAULT_THRESHOLD if threshold is None else threshold)
     stream.write((header + "\n" if header else "") + body + "\n")
+    if hasattr(stream, "flush"):
+        stream.flush()
+
+
+def print_formatted(fmt: str, args: tuple, kwargs: dict, transforms: tuple, *, device: Any = None,
+                    output_stream: TextIO | None = None) -> None:
+    """The consumer behind ``id_print("step {step}", step=step)``: one ``str.format`` line, with
+    the transforms and device (when there are some) as a metadata line first, as for values."""
+    stream = output_stream if output_stream is not None else sys.stdout
+    header = format_metadata({}, transforms, device)
+    line = fmt.format(*args, **kwargs)
+    stream.write((header + "\n" if header else "") + line + "\n")
     if hasattr(stream, "flush"):
         stream.flush()

@@ -173,8 +173,7 @@ class ReceiverPool:
         self._stopped = False
         self._local = threading.local()
         self._flush_hooks: weakref.WeakSet = weakref.WeakSet()
-        self._single_device_marker = None
-        self._all_devices_marker = None
+        self._marker_computations: dict[str, tuple] = {}  # per transport, built on first use
 
     # ---- lifecycle ----
 
@@ -235,13 +234,15 @@ class ReceiverPool:
                        - self._delivered[k] for k in self._threads)
 
     def _at_exit(self) -> None:
-        if not self.started:
-            self._run_flush_hooks()
-            return
         timeout = config.settings.exit_timeout_s
         start = time.monotonic()
+        deadline = start + timeout
+        if not self.started:
+            self._run_flush_hooks(deadline)
+            self._failure_log.flush()
+            return
         undelivered = self.stop(timeout=timeout)
-        self._run_flush_hooks()
+        self._run_flush_hooks(deadline)
         self._failure_log.flush()
         if undelivered:
             logger.warning("hostcallback: %d tap records were not delivered before exit (waited "
@@ -350,10 +351,11 @@ class ReceiverPool:
                 "barrier_wait() was called while tracing (inside jit, vmap, grad, ...); it waits "
                 "on the host for taps and cannot be part of a computation. Call it after the "
                 "computation, outside any transformation.")
+        deadline = None if timeout is None else time.monotonic() + timeout
         if self.started:
             self._raise_if_dead()
             self._wait_for_markers(logging_name, timeout)
-        self._run_flush_hooks()
+        self._run_flush_hooks(deadline)
         self._failure_log.flush(force=False)
         if raise_errors:
             self._raise_failures()
@@ -363,9 +365,15 @@ class ReceiverPool:
         (sinks that buffer use it so that a barrier also means 'on disk')."""
         self._flush_hooks.add(owner)
 
-    def _run_flush_hooks(self) -> None:
+    def _run_flush_hooks(self, deadline: float | None = None) -> None:
+        """Flushes every hook; one that can bound its wait (``flush_before``, e.g. SocketSink)
+        gets the caller's deadline (monotonic), so a barrier's timeout and exit bound it too."""
         for owner in list(self._flush_hooks):
             try:
+                flush_before = getattr(owner, "flush_before", None)
+                if flush_before is not None:
+                    flush_before(deadline)
+                    continue
                 owner.flush()
             except Exception:
                 logger.exception("hostcallback: flushing %r failed", owner)
@@ -444,25 +452,27 @@ class ReceiverPool:
         several devices one computation over them all that sends ``marker + 1`` from each."""
         from hostcallback import primitive, transport
 
-        if self._single_device_marker is None:
-            transport_name = transport.default_transport()
+        # The markers travel by the transport in use now, as the taps they wait for do.
+        transport_name = transport.default_transport()
+        if transport_name not in self._marker_computations:
 
             def tap_marker(x):
                 return primitive.bind([x], consumer_id=BARRIER_MARKER_ID, transport=transport_name)
 
-            self._single_device_marker = jax.jit(tap_marker)
-            self._all_devices_marker = []
+            all_devices_markers = []
             for devices in self._platform_groups().values():
                 if len(devices) > 1:
                     mesh = jax.sharding.Mesh(np.array(devices), ("devices",))
                     spec = jax.sharding.PartitionSpec("devices")
-                    self._all_devices_marker.append((jax.jit(jax.shard_map(
+                    all_devices_markers.append((jax.jit(jax.shard_map(
                         lambda x: tap_marker(x.reshape(()))[0].reshape(1), mesh=mesh,
                         in_specs=spec, out_specs=spec)), jax.sharding.NamedSharding(mesh, spec),
                         len(devices)))
+            self._marker_computations[transport_name] = (jax.jit(tap_marker), all_devices_markers)
+        single_device_marker, all_devices_markers = self._marker_computations[transport_name]
         for device in self._devices.values():
-            self._single_device_marker(jax.device_put(np.uint64(marker), device))
-        for computation, sharding, count in self._all_devices_marker:
+            single_device_marker(jax.device_put(np.uint64(marker), device))
+        for computation, sharding, count in all_devices_markers:
             markers = np.full(count, marker + 1, dtype=np.uint64)
             computation(jax.device_put(markers, sharding))
 
@@ -472,7 +482,8 @@ class ReceiverPool:
             self._first_failure, self._last_failure, self._failure_count = None, None, 0
         if first is None:
             return
-        message = f"{count} tap consumer call(s) raised since the last barrier_wait; first: " \
+        message = "There were exceptions during callback processing. " \
+                  f"{count} tap consumer call(s) raised since the last barrier_wait; first: " \
                   f"{first.describe()}"
         if count > 1:
             message += f"; last: {last.describe()}"

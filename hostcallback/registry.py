@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import jax
 from jax import tree_util
 
 # Id 0 is never handed out: a record with consumer 0 is a barrier marker.
@@ -36,6 +37,11 @@ class Consumer:
     result_avals: tuple = ()
     # A partitioned tap: (device id, transform) pairs; the record's device picks one to append.
     per_device_transforms: tuple = ()
+    # Per leaf, the PRNG implementation of a tapped key array (None for other leaves), or ()
+    # when there are none: such a leaf arrives as key data and is handed on as a key array.
+    key_impls: tuple = ()
+    # A call traced with x64 on accepts only exact result dtypes (no float64 -> float32).
+    x64: bool = False
 
     @property
     def is_call(self) -> bool:
@@ -44,6 +50,9 @@ class Consumer:
     def call(self, leaves, device) -> Any:
         """Rebuilds the tapped pytree and calls the consumer the way the legacy API did:
         taps as func(arg, transforms), calls as func(arg), each with device=d when asked."""
+        if self.key_impls:
+            leaves = [_as_key(leaf, impl) if impl else leaf
+                      for leaf, impl in zip(leaves, self.key_impls)]
         arg = tree_util.tree_unflatten(self.treedef, leaves)
         args = (arg,) if self.is_call else (arg, self.transforms_for(device))
         if self.with_device:
@@ -58,6 +67,12 @@ class Consumer:
 
     def with_transform(self, transform: Transform) -> Consumer:
         return dataclasses.replace(self, transforms=self.transforms + (transform,))
+
+
+def _as_key(key_data, impl: str):
+    """A key array on the host; wrap_key_data only places the data, it runs no computation,
+    so it cannot wait behind a device that waits for this receiver."""
+    return jax.random.wrap_key_data(key_data, impl=impl)
 
 
 def _freeze(value: Any) -> Any:
@@ -86,7 +101,7 @@ class ConsumerRegistry:
         key = (_freeze(consumer.func), consumer.treedef, _freeze(consumer.transforms),
                consumer.with_device, _freeze(consumer.metadata), consumer.name,
                consumer.result_treedef, consumer.result_avals,
-               _freeze(consumer.per_device_transforms))
+               _freeze(consumer.per_device_transforms), consumer.key_impls, consumer.x64)
         with self._lock:
             found = self._by_key.get(key)
             if found is not None:

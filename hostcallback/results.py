@@ -22,11 +22,24 @@ def _describe(dtype, shape) -> str:
     return f"{np.dtype(dtype)}{list(shape)}"
 
 
+# What JAX's dtype canonicalisation does with x64 off; with x64 on it changes nothing.
+_X64_OFF = {np.dtype(wide): np.dtype(narrow) for wide, narrow in (
+    (np.float64, np.float32), (np.int64, np.int32), (np.uint64, np.uint32),
+    (np.complex128, np.complex64))}
+
+
+def _canonical(dtype: np.dtype, x64: bool) -> np.dtype:
+    return dtype if x64 else _X64_OFF.get(dtype, dtype)
+
+
 def result_leaves(consumer: Consumer, result: Any) -> list[np.ndarray]:
     """The result's leaves as C-contiguous arrays, exactly of the declared shapes and dtypes.
 
-    Python numbers are converted to the declared dtype; arrays must already have it. A call
-    without results ignores what its function returns.
+    Python numbers are converted to the declared dtype. An array is accepted when JAX's
+    canonicalisation of its dtype is the declared one (with x64 off numpy's float64 becomes
+    float32, int64 int32, complex128 complex64), as legacy ``call`` and ``jax.pure_callback`` do;
+    any other dtype is an error. Whether x64 is on is what it was where the call was traced (a
+    receiver thread does not see ``jax.enable_x64`` contexts). A call without results ignores what its function returns.
     """
     if not consumer.result_avals:
         return []
@@ -40,6 +53,8 @@ def result_leaves(consumer: Consumer, result: Any) -> list[np.ndarray]:
         if isinstance(leaf, (bool, int, float, complex)):
             leaf = np.asarray(leaf, dtype=dtype)
         array = np.asarray(leaf)
+        if array.shape == tuple(shape) and _canonical(array.dtype, consumer.x64) == dtype:
+            array = array.astype(dtype, copy=False)
         if array.shape != tuple(shape) or array.dtype != np.dtype(dtype):
             raise CallResultError(
                 f"call consumer {consumer.name} returned {_describe(array.dtype, array.shape)} "

@@ -14,12 +14,14 @@ callback targets, so we build the two forms ourselves:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
 import numpy as np
 from jax._src import config as jax_config
 from jax._src import core, sharding_impls
+from jax._src import mesh as mesh_lib
 from jax._src.interpreters import mlir
 from jax._src.lib.mlir import ir
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
@@ -88,10 +90,20 @@ def lower_on_one_device(ctx, args, *, device_index, **params):
     # The avals may carry the outer computation's sharding; inside the region they are whole.
     region_ctx = dataclasses.replace(ctx, avals_in=_plain(ctx.avals_in),
                                      avals_out=_plain(ctx.avals_out))
-    outs = mlir.lower_fun(region, multiple_results=True)(region_ctx, *args)
+    with _outside_user_mesh():
+        outs = mlir.lower_fun(region, multiple_results=True)(region_ctx, *args)
     if region_ctx.tokens_out is not None:
         ctx.set_tokens_out(region_ctx.tokens_out)
     return outs
+
+
+@contextlib.contextmanager
+def _outside_user_mesh():
+    """Our region runs on its own mesh over the computation's devices. JAX refuses a shard_map
+    whose mesh differs from the user's context mesh (jax.set_mesh, use_mesh), so the region is
+    built as if no mesh were set; the user's mesh is back as soon as it is built."""
+    with mesh_lib.use_abstract_mesh(mesh_lib.empty_abstract_mesh):
+        yield
 
 
 def _share_from_caller(x, axis_name):

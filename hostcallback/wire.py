@@ -1,9 +1,10 @@
 """The binary layout of one tap record, in one place (the C++ encoder in _native/outfeed.cc mirrors it).
 
 A record is a 64-byte aligned block: a fixed 48-byte header, one descriptor per array, zero padding
-to a multiple of 64, then each array's bytes, each starting 64-byte aligned. docs/wire-format.md
-shows it byte by byte. Decoding never trusts the bytes: every count, size and offset is checked
-against the buffer before an array view is made, so corrupt input raises WireFormatError.
+to a multiple of 64, then each array's bytes, each starting 64-byte aligned. The document "Wire
+format of one tap record" shows it byte by byte. Decoding never trusts the bytes: every count,
+size and offset is checked against the buffer before an array view is made, so corrupt input
+raises WireFormatError.
 """
 
 from __future__ import annotations

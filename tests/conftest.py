@@ -5,7 +5,9 @@ import subprocess
 import sys
 import textwrap
 
-# Must happen before jax is imported anywhere in the test process.
+# Must happen before jax is imported anywhere in the test process. JAX_PLATFORMS pins the CPU
+# backend, so a machine with a GPU runs the same tests (and the native transport) as CI.
+os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=4").strip()
 
@@ -52,10 +54,14 @@ def collector(tap_records):
     return Collector(tap_records)
 
 
-def run_python(code: str, *, devices: int = 4, env: dict | None = None, timeout: float = 240):
-    """Runs code in a fresh interpreter (for exit and stop behaviour); returns the process."""
+def run_python(code: str, *, devices: int = 4, env: dict | None = None, timeout: float = 240,
+               cwd=None):
+    """Runs code in a fresh interpreter (for exit and stop behaviour, and the docs' samples)
+    in ``cwd`` (default: this one); returns the process."""
     full_env = dict(os.environ)
     full_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    full_env["JAX_PLATFORMS"] = "cpu"
     full_env.update(env or {})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=timeout, env=full_env)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=False,
+                          capture_output=True,
+                          text=True, timeout=timeout, env=full_env, cwd=cwd)

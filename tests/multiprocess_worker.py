@@ -1,12 +1,14 @@
 """One process of the multi-process test (started by test_multiprocess.py, not collected).
 
-Usage: python multiprocess_worker.py COORDINATOR_PORT PROCESS_ID COLLECTOR_PORT STEPS
+Usage: python multiprocess_worker.py COORDINATOR_PORT PROCESS_ID COLLECTOR_PORT STEPS [PAUSE]
 Joins a 2-process JAX cluster on localhost (2 CPU devices each), runs a jitted step over the
 global 4-device mesh that taps each device's shard, streams the taps to the collector, and waits
-for them with barrier_wait before it exits.
+for them with barrier_wait before it exits. PAUSE seconds between steps give the test time to
+restart the collector mid-run.
 """
 
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 coordinator_port, process_id, collector_port, steps = map(int, sys.argv[1:5])
+pause = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{coordinator_port}",
                            num_processes=2, process_id=process_id)
 
@@ -37,6 +40,7 @@ step_fn = jax.jit(jax.shard_map(step_on_each_device, mesh=mesh, in_specs=(P("dev
                                 out_specs=P("devices")))
 for step in range(steps):
     x = step_fn(x, jnp.int32(step))
+    time.sleep(pause)
 hcb.barrier_wait()
 sink.close()
 print("done", process_id, flush=True)

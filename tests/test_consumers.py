@@ -31,6 +31,14 @@ from consumer import (
 from consumer.collector import CollectorThread
 
 
+def wait_until(predicate, timeout=20.0):
+    """Polls ``predicate`` until it holds; fails the test if it does not within ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "the awaited condition did not happen in time"
+        time.sleep(0.02)
+
+
 @pytest.fixture
 def collector_server(tmp_path):
     server = CollectorThread(tmp_path / "collected").start()
@@ -147,14 +155,13 @@ def test_socket_sink_streams_to_the_collector_tagged_with_its_source(collector_s
     hcb.barrier_wait()
     sink.close()
     path = collector_server.collector.path_for("unit")
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and collector_server.collector.records_written < 30:
-        time.sleep(0.05)
+    wait_until(lambda: collector_server.collector.records_written >= 30)
     records = list(read_records(path))
     assert sorted(r.step for r in records) == list(range(30))
     assert {r.source for r in records} == {f"{socket.gethostname()}:{os.getpid()}/p0"}
 
 
+@pytest.mark.timeout(60)
 def test_socket_sink_waits_for_a_collector_that_starts_late_and_blocks_when_full(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -168,33 +175,31 @@ def test_socket_sink_waits_for_a_collector_that_starts_late_and_blocks_when_full
         emitted.set()
 
     threading.Thread(target=emit_many, daemon=True).start()
-    time.sleep(0.5)
-    assert not emitted.is_set()  # the buffer is full and nothing can be sent yet
+    wait_until(lambda: sink.waits > 0)  # the buffer is full and nothing can be sent yet
+    assert not emitted.is_set()
     server = CollectorThread(tmp_path / "late", port=port).start()
     try:
         assert emitted.wait(20)
-        sink.close()
-        time.sleep(0.3)
+        assert sink.close() == 0  # every record acknowledged, so written
         records = list(read_records(server.collector.path_for("late")))
         assert [int(r.value[0]) for r in records] == list(range(20))
-        assert sink.waits > 0 and sink.wait_seconds > 0.3
+        assert sink.waits > 0 and sink.wait_seconds > 0
     finally:
         server.stop()
 
 
 def test_collector_keeps_complete_records_from_a_client_that_disconnects_mid_record(
         collector_server):
-    good = stream.dumps([TapRecord(name="a", value=np.arange(3)), TapRecord(name="b", value=1)],
-                        run="torn")
-    torn = stream.pack(TapRecord(name="c", value=np.arange(1000)).to_map())
+    good = stream.frame_item(stream.stream_header(run="torn", sender="raw", first=0)) + b"".join(
+        stream.frame_item(TapRecord(name=n, value=v).to_map()) for n, v in [("a", np.arange(3)),
+                                                                            ("b", 1)])
+    torn = stream.frame_item(TapRecord(name="c", value=np.arange(1000)).to_map())
     with socket.create_connection(("127.0.0.1", collector_server.port)) as client:
         client.sendall(good + torn[:100])
     sink = SocketSink("127.0.0.1", collector_server.port, run="torn")  # the server lives on
     sink.emit(TapRecord(name="d", value=2))
     sink.close()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and collector_server.collector.records_written < 3:
-        time.sleep(0.05)
+    wait_until(lambda: collector_server.collector.records_written >= 3)
     names = [r.name for r in read_records(collector_server.collector.path_for("torn"))]
     assert sorted(names) == ["a", "b", "d"]
 
@@ -243,6 +248,7 @@ def test_cli_plot_names_the_missing_series(training_stream, tmp_path):
     assert result.returncode == 1 and "no series named 'nope'" in result.stderr
 
 
+@pytest.mark.timeout(60)
 def test_cli_collect_serves_until_stopped(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -254,33 +260,28 @@ def test_cli_collect_serves_until_stopped(tmp_path):
         sink.emit(TapRecord(name="x", value=1))
         sink.close()
         path = tmp_path / "cli" / "cli.hcbs"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not (path.exists() and list(read_records(path))):
-            time.sleep(0.1)
+        wait_until(lambda: path.exists() and list(read_records(path)), timeout=30)
         assert [r.name for r in read_records(path)] == ["x"]
     finally:
         server.terminate()
         server.wait(10)
 
 
+@pytest.mark.timeout(60)
 def test_socket_sink_reconnects_when_the_collector_restarts(tmp_path):
     first = CollectorThread(tmp_path / "first").start()
     port = first.port
     sink = SocketSink("127.0.0.1", port, run="restart")
     sink.emit(TapRecord(name="before", value=1))
     sink.flush()
-    deadline = time.monotonic() + 10
-    while first.collector.records_written < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: first.collector.records_written >= 1)
     first.stop()  # the connection drops
     for i in range(5):
         sink.emit(TapRecord(name="after", value=i))
     second = CollectorThread(tmp_path / "second", port=port).start()
     try:
         sink.close()
-        deadline = time.monotonic() + 10
-        while second.collector.records_written < 5 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: second.collector.records_written >= 5)
         after = [int(r.value) for r in read_records(second.collector.path_for("restart"))
                  if r.name == "after"]
         before = [r.name for r in read_records(first.collector.path_for("restart"))]
@@ -290,6 +291,7 @@ def test_socket_sink_reconnects_when_the_collector_restarts(tmp_path):
     assert after == list(range(5))
 
 
+@pytest.mark.timeout(60)
 def test_cli_tail_follows_a_growing_file(tmp_path):
     path = tmp_path / "growing.hcbs"
     sink = FileSink(path)

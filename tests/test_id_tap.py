@@ -127,13 +127,8 @@ PROGRAM_ORDER = [
     ("while_cond", 2), ("cond_true", 0), ("after", 0)]
 
 
-def test_unused_taps_in_loops_and_branches_all_run_each_in_program_order(transport, collector):
-    got = _tap_in_every_kind_of_place(collector, ordered=False)
-    assert sorted(got) == sorted(PROGRAM_ORDER)
-    for construct in ("fori", "scan", "while"):
-        assert [v for v in got if v[0].startswith(construct)] == [
-            v for v in PROGRAM_ORDER if v[0].startswith(construct)]
-    assert got.index(("before", 0)) < got.index(("after", 0))
+def test_unused_taps_in_loops_and_branches_all_run_in_program_order(transport, collector):
+    assert _tap_in_every_kind_of_place(collector, ordered=False) == PROGRAM_ORDER
 
 
 def test_ordered_taps_keep_program_order_across_loops_and_branches(transport, collector):
@@ -144,7 +139,8 @@ def test_ordered_taps_follow_the_configured_default(transport, collector):
     with hcb.config.override(ordered=True):
         jaxpr = jax.make_jaxpr(lambda x: hcb.id_tap(collector, x))(1.0)
     assert "HostcallbackOrderedTap" in str(jaxpr.effects)
-    assert not jax.make_jaxpr(lambda x: hcb.id_tap(collector, x))(1.0).effects
+    default = jax.make_jaxpr(lambda x: hcb.id_tap(collector, x))(1.0).effects
+    assert "HostcallbackOrderedTap" not in str(default)
 
 
 def test_taps_in_nested_jit_run(transport, collector):
@@ -192,9 +188,14 @@ def test_unsupported_dtypes_are_refused_naming_the_supported_ones():
         jax.jit(lambda x: hcb.id_tap(lambda a, t: None, x))(jnp.zeros(4, dtype=jnp.int4))
 
 
-def test_prng_keys_are_refused_with_the_way_to_tap_them():
-    with pytest.raises(TypeError, match="key_data"):
-        hcb.id_tap(lambda a, t: None, jax.random.key(0))
+def test_prng_key_arrays_arrive_as_key_arrays(transport, collector):
+    key = jax.random.key(42)
+    out = jax.jit(lambda k: hcb.id_tap(collector, {"key": k, "x": 1.0}))(key)
+    hcb.barrier_wait()
+    (value,) = collector.values
+    assert jax.dtypes.issubdtype(value["key"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(value["key"]), jax.random.key_data(key))
+    np.testing.assert_array_equal(jax.random.key_data(out["key"]), jax.random.key_data(key))
 
 
 def test_none_leaves_are_part_of_the_structure(transport, collector):

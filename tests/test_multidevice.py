@@ -83,13 +83,11 @@ def test_each_device_delivers_in_its_own_program_order(transport, collector):
         assert seen == [100 * device_id + i for i in range(20)]
 
 
-# Partitioned taps under automatic sharding run on the native transport only (the callback
-# transport refuses them clearly, tested below), so these tests do not take the transport fixture.
 def _sharded(mesh, spec, value):
     return jax.device_put(value, NamedSharding(mesh, spec))
 
 
-def test_partitioned_taps_give_each_device_its_own_shard_and_its_place(collector):
+def test_partitioned_taps_give_each_device_its_own_shard_and_its_place(transport, collector):
     mesh = jax.make_mesh((2, 2), ("a", "b"))
     x = _sharded(mesh, P("a", "b"), jnp.arange(32.0).reshape(4, 8))
     f = jax.jit(lambda x: hcb.id_tap(collector, x * 2, tap_with_device=True, partitioned=True))
@@ -108,7 +106,7 @@ def test_partitioned_taps_give_each_device_its_own_shard_and_its_place(collector
     np.testing.assert_array_equal(whole, np.arange(32.0).reshape(4, 8) * 2)
 
 
-def test_a_partitioned_tap_fires_even_when_its_result_is_unused(collector):
+def test_a_partitioned_tap_fires_even_when_its_result_is_unused(transport, collector):
     mesh = jax.make_mesh((4,), ("i",))
 
     def f(x):
@@ -121,7 +119,8 @@ def test_a_partitioned_tap_fires_even_when_its_result_is_unused(collector):
         [1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]]
 
 
-def test_a_partitioned_tap_of_a_replicated_leaf_gives_each_device_the_whole_leaf(collector):
+def test_a_partitioned_tap_of_a_replicated_leaf_gives_each_device_the_whole_leaf(transport,
+                                                                               collector):
     mesh = jax.make_mesh((4,), ("i",))
     x = _sharded(mesh, P("i"), jnp.arange(8.0))
     y = _sharded(mesh, P(), jnp.arange(3.0))
@@ -132,14 +131,6 @@ def test_a_partitioned_tap_of_a_replicated_leaf_gives_each_device_the_whole_leaf
         assert x_shard.shape == (2,)
         np.testing.assert_array_equal(y_whole, [0.0, 1.0, 2.0])
         assert transforms[-1][1]["offset"][1] == (0,)
-
-
-def test_partitioned_taps_on_the_callback_transport_are_a_clear_error(collector):
-    mesh = jax.make_mesh((4,), ("i",))
-    with hcb.config.override(transport="callback"), pytest.raises(
-            NotImplementedError, match="needs the native transport.*shard_map"):
-        jax.jit(lambda x: hcb.id_tap(collector, x, partitioned=True))(
-            _sharded(mesh, P("i"), jnp.arange(8.0)))
 
 
 def test_partitioned_is_a_no_op_where_each_device_already_taps_its_own_part(transport,

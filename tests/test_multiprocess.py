@@ -1,4 +1,5 @@
-"""Two processes joined with jax.distributed on localhost stream their taps to one collector."""
+"""Two processes joined with jax.distributed on localhost stream their taps to one collector,
+which restarts mid-run."""
 
 import os
 import socket
@@ -6,6 +7,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from consumer import read_records
 from consumer.collector import CollectorThread
@@ -20,23 +23,30 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_every_process_device_and_step_arrives_exactly_once(tmp_path):
-    server = CollectorThread(tmp_path / "collected").start()
+@pytest.mark.timeout(300)
+def test_every_process_device_and_step_arrives_exactly_once_across_a_collector_restart(tmp_path):
+    port = free_port()
+    server = CollectorThread(tmp_path / "collected", port=port).start()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     coordinator = free_port()
     try:
         workers = [subprocess.Popen(
-            [sys.executable, str(WORKER), str(coordinator), str(process), str(server.port),
-             str(STEPS)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [sys.executable, str(WORKER), str(coordinator), str(process), str(port), str(STEPS),
+             "0.04"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for process in range(2)]
+        deadline = time.monotonic() + 240
+        while server.collector.records_written < 20 and time.monotonic() < deadline:
+            assert all(w.poll() is None for w in workers), "a worker ended before the restart"
+            time.sleep(0.01)
+        server.stop()  # mid-run: the workers keep tapping while no collector listens
+        restarted_at = server.collector.records_written
+        server = CollectorThread(tmp_path / "collected", port=port).start()
         outputs = [worker.communicate(timeout=240)[0] for worker in workers]
         assert [w.returncode for w in workers] == [0, 0], "\n".join(outputs)
-        deadline = time.monotonic() + 10
-        while server.collector.records_written < 4 * STEPS and time.monotonic() < deadline:
-            time.sleep(0.05)
         records = list(read_records(server.collector.path_for("multiprocess")))
     finally:
         server.stop()
+    assert 20 <= restarted_at < 4 * STEPS  # the restart happened mid-run
     keys = [(r.process, r.device_id, r.step) for r in records]
     assert len(keys) == len(set(keys)) == 4 * STEPS  # exactly once each
     for process in (0, 1):

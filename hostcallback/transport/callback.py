@@ -16,12 +16,14 @@ import jax
 import numpy as np
 from jax._src import callback as jax_callback
 from jax._src import core, sharding_impls
+from jax._src.interpreters import mlir
 from jax._src.lib.mlir.dialects import hlo
 
 from hostcallback import wire
 from hostcallback._native import outfeed
 
 _PARTITION_AVAL = core.ShapedArray((), np.uint32)
+_CONSUMER_AVAL = core.ShapedArray((), np.uint64)
 
 
 def _leaf(array: np.ndarray):
@@ -83,3 +85,45 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, r
         callback_ctx, call_on_host, token, [partition, *args], callback_ctx.avals_in,
         list(result_avals), has_side_effect=True, returns_token=True, sharding=op_sharding)
     return token_out, list(results)
+
+
+def register_shard_callback(ctx) -> int:
+    """For a partitioned tap under automatic sharding: registers, with the whole computation, the
+    host callback each device's shard calls, and returns its index.
+
+    XLA builds the per-shard computation later, as a separate module whose own host callbacks are
+    thrown away; it calls this one by index instead (tap_shard), with the consumer id and its
+    partition id as operands.
+    """
+    if ctx.module_context.platforms[0] not in _CALLBACK_TARGETS:
+        raise NotImplementedError(
+            f"partitioned=True taps on {ctx.module_context.platforms[0]} are not supported (JAX's "
+            "host callbacks cannot run per shard there); tap inside a shard_map instead, where "
+            "each device taps its own shard")
+    ordinal_of = _ordinal_of_partition(ctx.module_context.axis_context)
+
+    def enqueue_shard(token, consumer_id, partition, *arrays):
+        outfeed.enqueue(ordinal_of(partition), int(consumer_id), [_leaf(a) for a in arrays])
+        return (token,)
+
+    ctx.module_context.add_host_callback(enqueue_shard)
+    return len(ctx.module_context.host_callbacks) - 1
+
+
+_CALLBACK_TARGETS = {"cpu": "xla_ffi_python_cpu_callback", "cuda": "xla_ffi_python_gpu_callback",
+                     "rocm": "xla_ffi_python_gpu_callback"}
+
+
+def tap_shard(ctx, args, *, consumer_id: int, callback_index: int, token, op_sharding):
+    """One device's shard of a partitioned tap: calls the callback register_shard_callback
+    registered with the whole computation, with this device's partition id."""
+    target = _CALLBACK_TARGETS[ctx.module_context.platforms[0]]
+    operands = [token, mlir.ir_constant(np.uint64(consumer_id)), hlo.partition_id(), *args]
+    call_ctx = dataclasses.replace(
+        ctx, avals_in=[core.abstract_token, _CONSUMER_AVAL, _PARTITION_AVAL, *ctx.avals_in],
+        avals_out=[core.abstract_token])
+    (token_out,) = jax.ffi.ffi_lowering(target, has_side_effect=True)(
+        call_ctx, *operands, index=np.uint64(callback_index))
+    if op_sharding is not None:
+        mlir.set_sharding(ctx.module_context, token_out.owner, op_sharding)
+    return token_out

@@ -1,0 +1,35 @@
+"""The compiled core (``outfeed.cc``, built into this package as ``_hostcallback_outfeed``).
+
+Loads it and says clearly what to do when it is missing; the rest of the code imports
+``from hostcallback._native import outfeed`` and never the extension's own name.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _add_installed_copies_to_path() -> None:
+    """A source checkout first on sys.path (``python -m pytest`` in the repository) shadows the
+    installed package, whose copy of this directory holds the built core: search those too."""
+    for entry in sys.path:
+        candidate = os.path.join(entry or os.getcwd(), "hostcallback", "_native")
+        if os.path.isdir(candidate) and candidate not in __path__:
+            __path__.append(candidate)
+
+
+try:
+    from hostcallback._native import _hostcallback_outfeed as outfeed
+except ImportError:
+    _add_installed_copies_to_path()
+    try:
+        from hostcallback._native import _hostcallback_outfeed as outfeed
+    except ImportError as error:  # pragma: no cover - only on a broken install
+        raise ImportError(
+            "hostcallback's native extension (hostcallback._native._hostcallback_outfeed) is "
+            "not built or not importable: install the package with `pip install .` (or `pip "
+            "install -e .`) from its source tree; it needs a C++17 compiler and CMake"
+        ) from error
+
+__all__ = ["outfeed"]

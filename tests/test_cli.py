@@ -1,0 +1,206 @@
+"""python -m consumer: version, help, tail -n, stats and plot per source, and clean failures."""
+
+import argparse
+import subprocess
+import sys
+
+import matplotlib
+import numpy as np
+import pytest
+
+from consumer import TapRecord, stream
+from consumer.__main__ import build_parser
+from consumer.plotting import draw
+from consumer.series import read_series, select, smooth
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def cli(*args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "consumer", *args], capture_output=True,
+                          text=True, timeout=120, check=False, **kwargs)
+
+
+def record(step, device_id, loss, name="train", **extra):
+    return TapRecord(name=name, step=step, device_id=device_id, device=f"TFRT_CPU_{device_id}",
+                     value={"step": np.int32(step), "loss": np.float32(loss), **extra})
+
+
+@pytest.fixture
+def two_devices(tmp_path):
+    """Ten steps from each of two devices; device 1's loss is twice device 0's."""
+    path = tmp_path / "pod.hcbs"
+    records = [record(s, d, (d + 1) / (s + 1), grad_norm=np.float32(s))
+               for s in range(10) for d in (0, 1)]
+    path.write_bytes(stream.dumps(records))
+    return path
+
+
+def test_version_names_the_package_and_its_version():
+    result = cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == "hostcallback 0.1.0"
+
+
+def test_every_option_of_every_subcommand_has_help_text():
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(subparsers.choices) == ["collect", "plot", "stats", "tail"]
+    for name, subparser in subparsers.choices.items():
+        for action in subparser._actions:
+            if not isinstance(action, argparse._HelpAction):
+                assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+
+
+def test_tail_n_prints_only_the_last_records(two_devices):
+    result = cli("tail", "-n", "2", str(two_devices))
+    assert result.returncode == 0, result.stderr
+    headers = [line for line in result.stdout.splitlines() if "name: train" in line]
+    assert headers == ["device: TFRT_CPU_0 name: train step: 9",
+                       "device: TFRT_CPU_1 name: train step: 9"]
+
+
+def test_tail_n_with_follow_prints_the_last_records_then_new_ones(tmp_path):
+    from consumer import FileSink
+
+    path = tmp_path / "grow.hcbs"
+    sink = FileSink(path)
+    for s in range(5):
+        sink.emit(TapRecord(name="grow", step=s, value=np.int32(s)))
+    sink.flush()
+    follower = subprocess.Popen([sys.executable, "-m", "consumer", "tail", "-n", "1", "-f",
+                                 str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        first = [follower.stdout.readline().strip() for _ in range(2)]
+        sink.emit(TapRecord(name="grow", step=5, value=np.int32(5)))
+        sink.flush()
+        then = [follower.stdout.readline().strip() for _ in range(2)]
+    finally:
+        follower.terminate()
+        follower.wait(10)
+        sink.close()
+    assert first == ["name: grow step: 4", "4"] and then == ["name: grow step: 5", "5"]
+
+
+def test_stats_reports_per_source_after_the_merged_table(two_devices):
+    result = cli("stats", str(two_devices))
+    assert result.returncode == 0, result.stderr
+    merged, per_source = result.stdout.split("\n\nper source:\n")
+    merged_rows = {line.split()[0]: line.split() for line in merged.splitlines()[1:]}
+    assert merged_rows["train.loss"][1] == "20"
+    header, *lines = per_source.splitlines()
+    assert header.split() == ["name", "source", "count", "mean", "min", "max", "last"]
+    rows = {tuple(line.split()[:2]): line.split() for line in lines}
+    assert rows["train.loss", "p0/dev0"][2:4] == ["10", "0.292897"]
+    assert rows["train.loss", "p0/dev1"][2:4] == ["10", "0.585794"]
+
+
+def test_stats_of_one_source_prints_one_table(two_devices, tmp_path):
+    path = tmp_path / "one.hcbs"
+    path.write_bytes(stream.dumps([record(s, 0, 1.0) for s in range(3)]))
+    result = cli("stats", str(path))
+    assert result.returncode == 0 and "per source" not in result.stdout
+
+
+def test_series_are_read_per_source_and_chosen_by_name_or_glob(two_devices):
+    series = read_series([two_devices])
+    assert sorted(series) == ["train.grad_norm", "train.loss"]
+    assert sorted(series["train.loss"]) == ["p0/dev0", "p0/dev1"]
+    assert series["train.loss"]["p0/dev1"].values[:2] == [2.0, 1.0]
+    assert select(series, ["train.loss", "train.*"]) == ["train.loss", "train.grad_norm"]
+    assert select(series, ["nope*"]) == []
+
+
+def test_smoothing_is_a_debiased_moving_average():
+    np.testing.assert_allclose(smooth([1.0, 1.0, 1.0], 0.9), [1.0, 1.0, 1.0])
+    np.testing.assert_allclose(smooth([0.0, 10.0], 0.5), [0.0, 10 * 0.5 / 0.75])
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\)"):
+        smooth([1.0], 1.0)
+
+
+def test_plot_draws_a_panel_per_series_and_a_line_per_source(two_devices):
+    series = read_series([two_devices])
+    figure, _ = draw(plt, series, ["train.loss", "train.grad_norm"], logy=True)
+    try:
+        loss_axes, norm_axes = figure.axes
+        assert [line.get_label() for line in loss_axes.get_lines()] == ["p0/dev0", "p0/dev1"]
+        assert loss_axes.get_yscale() == "log" and loss_axes.get_ylabel() == "train.loss"
+        np.testing.assert_allclose(loss_axes.get_lines()[1].get_ydata()[:2], [2.0, 1.0])
+        assert len(norm_axes.get_lines()) == 2
+    finally:
+        plt.close(figure)
+
+
+def test_plot_overlays_series_and_smooths_with_the_raw_values_faint(two_devices):
+    series = read_series([two_devices])
+    figure, _ = draw(plt, series, ["train.loss"], smoothing=0.6, overlay=True)
+    try:
+        (axes,) = figure.axes
+        raw, smoothed = axes.get_lines()[:2]
+        assert raw.get_alpha() == 0.25 and smoothed.get_label() == "p0/dev0"
+        assert "smoothed 0.6" in axes.get_title()
+    finally:
+        plt.close(figure)
+
+
+def test_cli_plot_writes_a_png_of_several_series_from_a_glob(two_devices, tmp_path):
+    output = tmp_path / "all.png"
+    result = cli("plot", str(two_devices), "--name", "train.*", "--logy", "--smooth", "0.5",
+                 "-o", str(output))
+    assert result.returncode == 0, result.stderr
+    assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "values <= 0 cannot be shown on a log scale" in result.stderr  # grad_norm starts at 0
+
+
+def test_cli_refuses_a_smoothing_weight_out_of_range(two_devices, tmp_path):
+    result = cli("plot", str(two_devices), "--name", "train.loss", "--smooth", "1.5", "-o",
+                 str(tmp_path / "x.png"))
+    assert result.returncode == 2 and "is not in [0, 1)" in result.stderr
+
+
+@pytest.mark.parametrize("command", [["tail"], ["stats"], ["plot", "--name", "x", "-o", "x.png"]])
+def test_a_missing_file_is_one_line_on_stderr_and_exit_code_1(command, tmp_path):
+    missing = str(tmp_path / "missing.hcbs")
+    result = cli(command[0], missing, *command[1:])
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"python -m consumer {command[0]}: No such file or directory: {missing}"]
+
+
+@pytest.mark.parametrize("command", ["tail", "stats"])
+def test_garbage_input_is_one_line_on_stderr_and_exit_code_1(command, tmp_path):
+    garbage = tmp_path / "garbage.hcbs"
+    garbage.write_bytes(b"this is not a record stream\n" * 10)
+    result = cli(command, str(garbage))
+    assert result.returncode == 1
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"python -m consumer {command}: {garbage} is not a readable record "
+                           "stream: ")
+
+
+def test_a_directory_instead_of_a_file_is_one_line_on_stderr(tmp_path):
+    result = cli("tail", str(tmp_path))
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1
+    assert "Is a directory" in result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_closed_pipe_stops_tail_quietly_with_a_non_zero_exit_code(tmp_path):
+    path = tmp_path / "long.hcbs"
+    path.write_bytes(stream.dumps([record(s, 0, 1.0) for s in range(20000)]))
+    tail = subprocess.Popen([sys.executable, "-m", "consumer", "tail", str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    tail.stdout.readline()
+    tail.stdout.close()  # as `| head -1` does
+    stderr = tail.stderr.read().decode()
+    assert tail.wait(60) == 141
+    assert stderr == ""
+
+
+def test_an_image_format_matplotlib_cannot_write_is_one_line_naming_the_formats(two_devices,
+                                                                                tmp_path):
+    result = cli("plot", str(two_devices), "--name", "train.loss", "-o", str(tmp_path / "x.abc"))
+    assert result.returncode == 1
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"plot: cannot write {tmp_path / 'x.abc'}") and "png" in line

@@ -1,0 +1,398 @@
+"""The collector on a shared network: token, limits, exactly once across reconnects and restarts,
+bad clients, and the `collect` command."""
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from consumer import SocketSink, TapRecord, read_records, stream
+from consumer.collector import (
+    CollectorConfigError,
+    CollectorLimits,
+    CollectorThread,
+    tls_context,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def wait_until(predicate, timeout=20.0, what="the condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
+        time.sleep(0.02)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def header(run="raw", sender="raw-sender", first=0, **extra) -> bytes:
+    return stream.frame_item(stream.stream_header(run=run, sender=sender, first=first, process=0,
+                                                  **extra))
+
+
+def frames(values, name="r") -> bytes:
+    return b"".join(stream.frame_item(TapRecord(name=name, value=v).to_map()) for v in values)
+
+
+def read_acks(client: socket.socket, count: int) -> int:
+    """Reads acknowledgements until ``count`` records are acknowledged; returns the last total."""
+    data, total = b"", 0
+    client.settimeout(20)
+    while total < count:
+        data += client.recv(4096)
+        while len(data) >= stream.ACK.size:
+            (total,) = stream.ACK.unpack_from(data)
+            data = data[stream.ACK.size:]
+    return total
+
+
+def refusal(client: socket.socket) -> str:
+    """The reason the collector sends before it hangs up on a client."""
+    client.settimeout(20)
+    data = b""
+    while True:
+        chunk = client.recv(4096)
+        if not chunk:
+            break
+        data += chunk
+    while len(data) >= stream.ACK.size and stream.ACK.unpack_from(data)[0] != stream.REFUSED:
+        data = data[stream.ACK.size:]
+    assert len(data) >= stream.ACK.size, "the collector hung up without saying why"
+    (length,) = stream.REASON.unpack_from(data, stream.ACK.size)
+    start = stream.ACK.size + stream.REASON.size
+    return data[start:start + length].decode()
+
+
+def values_in(path, name="r"):
+    return [int(r.value) for r in read_records(path) if r.name == name]
+
+
+@pytest.fixture
+def make_collector(tmp_path):
+    servers = []
+
+    def make(**options):
+        server = CollectorThread(tmp_path / "out", **options).start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+# ---- authentication ----
+
+
+def test_a_collector_with_a_token_refuses_a_sender_without_it(make_collector, monkeypatch, caplog):
+    monkeypatch.delenv(stream.TOKEN_VARIABLE, raising=False)
+    server = make_collector(token="s3cret-token")
+    sink = SocketSink("127.0.0.1", server.port, run="auth", flush_timeout=10)
+    sink.emit(TapRecord(name="r", value=1))
+    with pytest.raises(TimeoutError, match="wrong or missing token"):
+        sink.flush(timeout=1.0)
+    sink.close(timeout=0.1)
+    assert server.collector.refused["token"] >= 1
+    assert server.collector.records_written == 0
+    assert "s3cret-token" not in caplog.text
+
+
+def test_a_sender_with_the_collectors_token_is_accepted(make_collector, monkeypatch):
+    monkeypatch.setenv(stream.TOKEN_VARIABLE, "s3cret-token")
+    server = make_collector(token="s3cret-token")
+    sink = SocketSink("127.0.0.1", server.port, run="auth")  # reads the token from the variable
+    for i in range(5):
+        sink.emit(TapRecord(name="r", value=i))
+    assert sink.close() == 0
+    assert values_in(server.collector.path_for("auth")) == list(range(5))
+
+
+def test_the_token_is_not_written_to_the_run_file(make_collector):
+    server = make_collector(token="s3cret-token")
+    sink = SocketSink("127.0.0.1", server.port, run="auth", token="s3cret-token")
+    sink.emit(TapRecord(name="r", value=1))
+    sink.close()
+    with open(server.collector.path_for("auth"), "rb") as file:
+        assert b"s3cret-token" not in file.read()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3"])
+def test_without_a_token_the_collector_refuses_to_listen_beyond_loopback(tmp_path, host):
+    with pytest.raises(CollectorConfigError, match=f"refusing to listen on {host} without a token"):
+        CollectorThread(tmp_path, host=host).start()
+
+
+def test_insecure_or_a_token_allows_listening_beyond_loopback(tmp_path):
+    for options in ({"insecure": True}, {"token": "t"}):
+        server = CollectorThread(tmp_path, host="0.0.0.0", **options).start()
+        assert server.port
+        server.stop()
+
+
+# ---- limits ----
+
+
+def test_a_record_over_the_size_limit_is_refused_and_the_earlier_ones_kept(make_collector):
+    server = make_collector(limits=CollectorLimits(max_record_bytes=1000))
+    with socket.create_connection(("127.0.0.1", server.port)) as client:
+        client.sendall(header() + frames([1, 2]))
+        assert read_acks(client, 2) == 2
+        client.sendall(stream.frame(b"\x8c\xa4name" + bytes(2000)))
+        assert "a record of 2006 bytes is over the collector's limit of 1000" in refusal(client)
+    assert values_in(server.collector.path_for("raw")) == [1, 2]
+    assert server.collector.refused["too large"] == 1
+
+
+def test_a_sink_refuses_a_record_over_its_max_record_bytes_at_emit(make_collector):
+    server = make_collector()
+    sink = SocketSink("127.0.0.1", server.port, max_record_bytes=1000)
+    with pytest.raises(ValueError, match="over this SocketSink's max_record_bytes=1000"):
+        sink.emit(TapRecord(name="big", value=np.zeros(1000)))
+    sink.close()
+
+
+def test_clients_over_the_limit_are_refused(make_collector):
+    server = make_collector(limits=CollectorLimits(max_clients=2))
+    first, second = (socket.create_connection(("127.0.0.1", server.port)) for _ in range(2))
+    try:
+        for client in (first, second):
+            client.sendall(header() + frames([1]))
+            read_acks(client, 1)
+        with socket.create_connection(("127.0.0.1", server.port)) as third:
+            assert "already serves 2 clients" in refusal(third)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_open_run_files_are_bounded_and_every_record_kept(make_collector):
+    server = make_collector(limits=CollectorLimits(max_open_runs=2))
+    for round_ in range(2):
+        for run in ("a", "b", "c"):
+            with socket.create_connection(("127.0.0.1", server.port)) as client:
+                client.sendall(header(run=run, sender=f"{run}-{round_}") + frames([round_]))
+                read_acks(client, 1)
+            assert len(server.collector._runs) <= 2
+    for run in ("a", "b", "c"):
+        assert values_in(server.collector.path_for(run)) == [0, 1]
+
+
+def test_low_disk_stops_writing_until_there_is_room(make_collector):
+    server = make_collector()
+    server.collector.free_bytes = lambda: 0
+    sink = SocketSink("127.0.0.1", server.port, run="disk")
+    for i in range(3):
+        sink.emit(TapRecord(name="r", value=i))
+    with pytest.raises(TimeoutError, match="3 records not acknowledged"):
+        sink.flush(timeout=1.0)
+    assert server.collector.records_written == 0
+    server.collector.free_bytes = lambda: 1 << 40
+    sink.flush(timeout=20)
+    assert values_in(server.collector.path_for("disk")) == [0, 1, 2]
+    sink.close()
+
+
+# ---- exactly once ----
+
+
+def test_records_sent_again_after_a_reconnect_are_written_once(make_collector):
+    server = make_collector()
+    with socket.create_connection(("127.0.0.1", server.port)) as client:
+        client.sendall(header(first=0) + frames(range(5)))
+        read_acks(client, 5)
+    with socket.create_connection(("127.0.0.1", server.port)) as client:
+        client.sendall(header(first=2) + frames(range(2, 8)))
+        read_acks(client, 6)
+    assert values_in(server.collector.path_for("raw")) == list(range(8))
+    assert server.collector.duplicates_dropped == 3
+
+
+def test_a_restarted_collector_drops_what_it_wrote_before(tmp_path):
+    first = CollectorThread(tmp_path / "out").start()
+    with socket.create_connection(("127.0.0.1", first.port)) as client:
+        client.sendall(header(first=0) + frames(range(5)))
+        read_acks(client, 5)
+    first.stop()
+    second = CollectorThread(tmp_path / "out").start()
+    try:
+        with socket.create_connection(("127.0.0.1", second.port)) as client:
+            client.sendall(header(first=3) + frames(range(3, 7)))
+            read_acks(client, 4)
+        assert second.collector.duplicates_dropped == 2
+    finally:
+        second.stop()
+    assert values_in(second.collector.path_for("raw")) == list(range(7))
+
+
+def test_a_torn_frame_left_by_a_crash_is_cut_off_before_appending(tmp_path):
+    first = CollectorThread(tmp_path / "out").start()
+    with socket.create_connection(("127.0.0.1", first.port)) as client:
+        client.sendall(header(first=0) + frames(range(3)))
+        read_acks(client, 3)
+    first.stop()
+    path = first.collector.path_for("raw")
+    with open(path, "ab") as file:
+        file.write(frames([99])[:-5])  # the collector died mid-write
+    second = CollectorThread(tmp_path / "out").start()
+    try:
+        with socket.create_connection(("127.0.0.1", second.port)) as client:
+            client.sendall(header(first=3) + frames(range(3, 5)))
+            read_acks(client, 2)
+    finally:
+        second.stop()
+    skipped = []
+    assert [int(r.value) for r in read_records(path, skipped)] == list(range(5))
+    assert skipped == []
+
+
+def test_a_sink_across_a_collector_restart_delivers_every_record_once(tmp_path):
+    port = free_port()
+    first = CollectorThread(tmp_path / "out", port=port).start()
+    sink = SocketSink("127.0.0.1", port, run="restart")
+    for i in range(50):
+        sink.emit(TapRecord(name="r", value=i))
+    wait_until(lambda: first.collector.records_written >= 10, what="the first records")
+    first.stop()
+    for i in range(50, 100):
+        sink.emit(TapRecord(name="r", value=i))
+    second = CollectorThread(tmp_path / "out", port=port).start()
+    try:
+        assert sink.close(timeout=30) == 0
+    finally:
+        second.stop()
+    assert values_in(second.collector.path_for("restart")) == list(range(100))
+
+
+# ---- bad clients ----
+
+
+def _garbage(port):
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        client.sendall(os.urandom(64) + b"not a stream")
+        refusal(client)
+
+
+def _header_only(port):
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        client.sendall(header())
+
+
+def _stall_mid_record(port):
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        client.sendall(header() + frames([1])[:-3])
+        refusal(client)  # after stall_seconds
+
+
+def _connect_and_leave(port):
+    socket.create_connection(("127.0.0.1", port)).close()
+
+
+@pytest.mark.parametrize("bad_client, kind, message", [
+    (_garbage, "garbage", "not a stream frame"),
+    (_header_only, "no records", "closed without sending a record"),
+    (_stall_mid_record, "stalled", "in the middle of a record"),
+    (_connect_and_leave, "no header", "closed before sending a stream header"),
+], ids=["garbage", "header-without-records", "stall-mid-record", "reconnect-loop"])
+def test_a_bad_client_is_logged_once_and_dropped_and_others_are_unaffected(
+        make_collector, caplog, bad_client, kind, message):
+    server = make_collector(limits=CollectorLimits(stall_seconds=0.3))
+    sink = SocketSink("127.0.0.1", server.port, run="good")
+    with caplog.at_level(logging.WARNING, logger="hostcallback.collector"):
+        for round_ in range(4):
+            sink.emit(TapRecord(name="r", value=round_))
+            bad_client(server.port)
+        wait_until(lambda: server.collector.refused[kind] >= 4, what=f"4 {kind} refusals")
+        assert sink.close() == 0
+    assert sum(message in r.getMessage() for r in caplog.records) == 1
+    assert values_in(server.collector.path_for("good")) == [0, 1, 2, 3]
+
+
+# ---- the collect command ----
+
+
+def test_collect_prints_its_address_for_port_0_and_its_counts_when_stopped(tmp_path):
+    server = subprocess.Popen([sys.executable, "-m", "consumer", "collect", "--port", "0",
+                               "--out", str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        first_line = server.stdout.readline()
+        assert first_line.startswith("collector listening on 127.0.0.1:")
+        port = int(first_line.split(":")[1].split(",")[0])
+        sink = SocketSink("127.0.0.1", port, run="cli")
+        sink.emit(TapRecord(name="r", value=7))
+        assert sink.close() == 0
+    finally:
+        server.send_signal(signal.SIGTERM)
+        out, err = server.communicate(timeout=30)
+    assert server.returncode == 0, err
+    assert "collector stopped: 1 records" in out
+    assert values_in(tmp_path / "cli.hcbs") == [7]
+
+
+def test_collect_on_a_port_in_use_says_so_in_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        result = subprocess.run([sys.executable, "-m", "consumer", "collect", "--port",
+                                 str(taken.getsockname()[1]), "--out", str(tmp_path)],
+                                capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "address already in use" in result.stderr and "--port 0" in result.stderr
+
+
+def test_collect_without_a_token_beyond_loopback_says_what_to_do(tmp_path, monkeypatch):
+    monkeypatch.delenv(stream.TOKEN_VARIABLE, raising=False)
+    result = subprocess.run([sys.executable, "-m", "consumer", "collect", "--host", "0.0.0.0",
+                             "--port", "0", "--out", str(tmp_path)], capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "without a token" in result.stderr and "--insecure" in result.stderr
+
+
+# ---- TLS ----
+
+
+def self_signed(directory, name):
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a test certificate")
+    cert, key = directory / f"{name}.pem", directory / f"{name}.key"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return cert, key
+
+
+def test_a_sink_streams_over_tls_to_a_collector_with_a_certificate(make_collector, tmp_path):
+    cert, key = self_signed(tmp_path, "collector")
+    server = make_collector(tls=tls_context(str(cert), str(key)), token="t")
+    sink = SocketSink("127.0.0.1", server.port, run="tls", token="t", tls_ca_file=cert)
+    for i in range(5):
+        sink.emit(TapRecord(name="r", value=i))
+    assert sink.close() == 0
+    assert values_in(server.collector.path_for("tls")) == list(range(5))
+
+
+def test_a_sink_refuses_a_collector_whose_certificate_it_does_not_trust(make_collector, tmp_path):
+    cert, key = self_signed(tmp_path, "collector")
+    other, _ = self_signed(tmp_path, "other")
+    server = make_collector(tls=tls_context(str(cert), str(key)))
+    sink = SocketSink("127.0.0.1", server.port, run="tls", tls_ca_file=other)
+    sink.emit(TapRecord(name="r", value=1))
+    with pytest.raises(TimeoutError, match="CERTIFICATE_VERIFY_FAILED"):
+        sink.flush(timeout=2)
+    sink.close(timeout=0)
+    assert server.collector.records_written == 0

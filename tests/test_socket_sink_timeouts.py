@@ -1,0 +1,81 @@
+"""SocketSink never waits longer than we allow: a barrier's timeout, close(), the exit deadline;
+a collector that cannot be reached is reported once, and records that never arrive are named."""
+
+import logging
+import socket
+import time
+
+import jax
+import pytest
+from conftest import run_python
+
+import hostcallback as hcb
+from consumer import SocketSink, TapRecord, tap_to
+
+
+def dead_port() -> int:
+    """A loopback port where nothing listens."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.timeout(20)  # before the fix this barrier waited the sink's 30 s
+def test_barrier_wait_with_a_timeout_is_not_held_up_by_an_unreachable_collector(caplog):
+    sink = SocketSink("127.0.0.1", dead_port(), run="nobody", flush_timeout=60)
+    jax.jit(lambda x: tap_to([sink], x, name="x"))(1.0)
+    with caplog.at_level(logging.WARNING, logger="hostcallback.sinks"):
+        hcb.barrier_wait(timeout=1.0)
+    assert sink.pending == 1  # kept, not dropped
+    assert "1 records not acknowledged yet" in caplog.text
+    assert sink.close(timeout=0.1) == 1
+
+
+@pytest.mark.timeout(20)
+def test_close_is_bounded_and_names_the_records_it_could_not_deliver(caplog):
+    sink = SocketSink("127.0.0.1", dead_port(), run="nobody", flush_timeout=60)
+    for i in range(3):
+        sink.emit(TapRecord(name="r", value=i))
+    with caplog.at_level(logging.ERROR, logger="hostcallback.sinks"):
+        lost = sink.close(timeout=0.5)
+    assert lost == 3
+    assert "closed with 3 records the collector never acknowledged; they are lost" in caplog.text
+    assert not sink._thread.is_alive()
+
+
+@pytest.mark.timeout(20)
+def test_flush_raises_after_its_timeout_naming_why(caplog):
+    sink = SocketSink("127.0.0.1", dead_port(), run="nobody")
+    sink.emit(TapRecord(name="r", value=1))
+    with pytest.raises(TimeoutError, match=r"1 records not acknowledged after 0.5 s \(cannot reach"):
+        sink.flush(timeout=0.5)
+    sink.close(timeout=0)
+
+
+@pytest.mark.timeout(30)
+def test_an_unreachable_collector_is_reported_once(caplog):
+    with caplog.at_level(logging.WARNING, logger="hostcallback.sinks"):
+        sink = SocketSink("127.0.0.1", dead_port(), run="nobody")
+        sink.emit(TapRecord(name="r", value=1))
+        deadline = time.monotonic() + 20
+        while sink.connect_failures < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        sink.close(timeout=0)
+    assert sink.connect_failures >= 4
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum("cannot reach the collector" in message for message in warnings) == 1
+
+
+@pytest.mark.timeout(60)  # before the fix, exit waited 60 s more than HOSTCALLBACK_EXIT_TIMEOUT
+def test_exit_is_bounded_by_the_exit_timeout_with_an_unreachable_collector():
+    port = dead_port()
+    result = run_python(f"""
+        import jax
+        from consumer import SocketSink, tap_to
+        sink = SocketSink("127.0.0.1", {port}, run="nobody")
+        jax.jit(lambda x: tap_to([sink], x, name="x"))(1.0)
+        print("dispatched", flush=True)
+        """, devices=1, env={"HOSTCALLBACK_EXIT_TIMEOUT": "2"}, timeout=45)
+    assert result.returncode == 0, result.stderr
+    assert "dispatched" in result.stdout
+    assert "1 records not acknowledged yet" in result.stderr

@@ -1,0 +1,72 @@
+"""Which transport ran: the lowered program names it, and barrier markers follow it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hostcallback as hcb
+import hostcallback.transport.callback as callback_transport
+from hostcallback import config
+from hostcallback.registry import BARRIER_MARKER_ID
+
+JAX_CALLBACK_TARGET = "xla_ffi_python_cpu_callback"
+
+
+def _lower_tap_and_call() -> str:
+    """A fresh function each time: the transport is chosen when a tap is traced, and JAX
+    would reuse an earlier trace of the same function."""
+
+    def tap_and_call(x):
+        hcb.id_tap(lambda *a: None, x)
+        return hcb.call(lambda v: v, x, result_shape=x)
+
+    return jax.jit(tap_and_call).lower(jnp.arange(3.0)).as_text()
+
+
+def test_the_native_transport_lowers_to_our_custom_calls():
+    with config.override(transport="native"):
+        text = _lower_tap_and_call()
+    assert "@hostcallback_tap" in text and "@hostcallback_call" in text
+    assert JAX_CALLBACK_TARGET not in text
+
+
+def test_the_callback_transport_lowers_to_jax_host_callbacks():
+    with config.override(transport="callback"):
+        text = _lower_tap_and_call()
+    assert text.count(JAX_CALLBACK_TARGET) >= 2  # one for the tap, one for the call
+    assert "hostcallback_tap" not in text and "hostcallback_call" not in text
+
+
+class _CountingOutfeed:
+    """Stands in for the native module inside the callback transport; counts enqueues."""
+
+    def __init__(self, real):
+        self._real, self.consumer_ids = real, []
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def enqueue(self, ordinal, consumer_id, leaves):
+        self.consumer_ids.append(consumer_id)
+        return self._real.enqueue(ordinal, consumer_id, leaves)
+
+
+@pytest.mark.timeout(120)
+def test_barrier_markers_use_the_transport_in_use_now(monkeypatch):
+    counting = _CountingOutfeed(callback_transport.outfeed)
+    monkeypatch.setattr(callback_transport, "outfeed", counting)
+    jax.jit(lambda x: hcb.id_tap(lambda *a: None, x))(1.0)  # starts the receivers
+    with config.override(transport="native"):
+        hcb.barrier_wait()
+    assert BARRIER_MARKER_ID not in counting.consumer_ids
+    with config.override(transport="callback"):
+        hcb.barrier_wait()
+    devices = len(jax.local_devices())
+    # One single-device marker per device and one all-devices marker sent from each device.
+    assert counting.consumer_ids.count(BARRIER_MARKER_ID) == 2 * devices
+    counting.consumer_ids.clear()
+    with config.override(transport="native"):
+        hcb.barrier_wait()
+    assert BARRIER_MARKER_ID not in counting.consumer_ids
+    assert np.all(np.asarray(jax.jit(lambda x: x + 1)(jnp.zeros(2))) == 1)

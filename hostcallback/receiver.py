@@ -248,6 +248,7 @@ class ReceiverPool:
         deadline = start + timeout
         if not self.started:
             self._run_flush_hooks(deadline)
+            self._failure_log.flush()
             return
         undelivered = self.stop(timeout=timeout)
         self._run_flush_hooks(deadline)

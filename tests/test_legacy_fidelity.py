@@ -57,7 +57,7 @@ def test_call_refuses_dtypes_that_are_not_a_canonicalisation_of_the_declared_one
                                    result_shape=jax.ShapeDtypeStruct((3,), declared)))
     with pytest.raises(Exception, match=f"returned {np.dtype(returned)}\\[3\\] for result leaf 0"):
         f(1.0).block_until_ready()
-    hcb.barrier_wait()  # a failed call is reported once, by its computation
+    hcb.barrier_wait()  # a failed call is reported once, where it failed (issue 11 item 4)
 
 
 def test_a_canonicalisable_dtype_with_the_wrong_shape_is_still_refused(transport):
@@ -65,7 +65,7 @@ def test_a_canonicalisable_dtype_with_the_wrong_shape_is_still_refused(transport
                                    result_shape=jax.ShapeDtypeStruct((3,), jnp.float32)))
     with pytest.raises(Exception, match=r"returned float64\[2\] .* says float32\[3\]"):
         f(1.0).block_until_ready()
-    hcb.barrier_wait()  # a failed call is reported once, by its computation
+    hcb.barrier_wait()  # a failed call is reported once, where it failed (issue 11 item 4)
 
 
 # ---- legacy wording -----------------------------------------------------------------------
@@ -306,4 +306,4 @@ def test_with_x64_on_a_call_needs_the_exact_result_dtype_as_legacy_did(transport
                                        result_shape=jax.ShapeDtypeStruct((3,), jnp.float32)))
         with pytest.raises(Exception, match=r"returned float64\[3\] .* says float32\[3\]"):
             f(1.0).block_until_ready()
-    hcb.barrier_wait()  # a failed call is reported once, by its computation
+    hcb.barrier_wait()  # a failed call is reported once, where it failed (issue 11 item 4)

@@ -148,7 +148,7 @@ class FileSink(Sink):
         directory = os.path.dirname(self.path)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        self._file = open(self.path, "ab")
+        self._file = open(self.path, "ab")  # noqa: SIM115 - held open until close()
         # A header on every open: appending to an older file (even version 1) stays readable.
         self._writer = StreamWriter(self._file)
 

@@ -48,6 +48,12 @@ _V1_RECORD = b"\x8c\xa4name"
 ACK = struct.Struct("<Q")
 REFUSED = (1 << 64) - 1
 REASON = struct.Struct("<I")
+# The collector's refusal of a record over its --max-record-bytes says "... is {TOO_LARGE} N bytes";
+# SocketSink then drops that record alone and lowers its own limit to N.
+TOO_LARGE = "over the collector's limit of"
+# An empty frame: SocketSink sends one when idle, so the collector knows it is alive. The collector
+# never writes it to a run file.
+HEARTBEAT = FRAME.pack(SYNC, 0, 0)
 # The shared token a collector may require; SocketSink presents it in its stream header.
 TOKEN_VARIABLE = "HOSTCALLBACK_COLLECTOR_TOKEN"
 

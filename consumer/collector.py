@@ -15,8 +15,10 @@ after a restart it rebuilds what it has written from the run file's segment head
 torn last frame off before it appends.
 
 What it must never do: write a partial or unauthenticated record, buffer without bound, or let one
-bad client disturb another. Limits (record size, clients, open run files, free disk, stalls) are in
-CollectorLimits; a client that breaks one is told why, logged once and dropped.
+bad client disturb another. Limits (record size, clients, open run files, free disk, stalls, idle
+clients) are in CollectorLimits; a client that breaks one is told why, logged once and dropped. An
+idle sender sends heartbeats (empty frames, never written); a sender that reconnects replaces its
+older connection.
 """
 
 from __future__ import annotations
@@ -267,9 +269,11 @@ class Collector:
         """Free space where the run files are (tests replace this)."""
         return shutil.disk_usage(self.out_dir).free
 
-    async def _wait_for_disk(self) -> None:
+    async def _wait_for_disk(self, writer: asyncio.StreamWriter) -> None:
         """Stops taking records (the senders wait) while free space is below the limit."""
         while True:
+            if writer.is_closing():  # replaced by its sender's newer connection, or shut down
+                raise ConnectionResetError("the connection was closed while waiting for disk")
             now = time.monotonic()
             if now - self._disk_checked >= 1.0 or self._disk_low:
                 self._disk_checked = now
@@ -410,7 +414,7 @@ class Collector:
                     count, used = self._frames(buffer, self.limits.max_record_bytes, records=True)
                     if not count:
                         break
-                    await self._wait_for_disk()
+                    await self._wait_for_disk(writer)
                     self._take(buffer, count, used, run, sender, source, next_sequence)
                     next_sequence += count
                     received += count

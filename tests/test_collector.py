@@ -244,11 +244,11 @@ def test_a_client_idle_between_records_past_idle_seconds_is_dropped(make_collect
 
 
 def test_a_sinks_heartbeats_keep_an_idle_connection_open(make_collector):
-    server = make_collector(limits=CollectorLimits(idle_seconds=0.5))
+    server = make_collector(limits=CollectorLimits(idle_seconds=2.0))
     sink = SocketSink("127.0.0.1", server.port, run="beat", heartbeat_seconds=0.1)
     sink.emit(TapRecord(name="r", value=1))
     sink.flush(timeout=20)
-    time.sleep(1.5)  # three idle periods, no record
+    time.sleep(3.0)  # longer than idle_seconds without a record
     sink.emit(TapRecord(name="r", value=2))
     sink.flush(timeout=20)
     assert sink.reconnects == 0 and server.collector.refused["idle"] == 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import itertools
 import os
 import sys
 
@@ -26,7 +25,7 @@ from consumer.plotting import plot
 from consumer.series import source_of
 from consumer.sinks import StatsSink, format_table
 from consumer.stream import (StreamFormatError, TapRecord, follow_records, read_records,
-                             read_stream)
+                             read_stream, stream_files)
 from hostcallback.printing import format_metadata, format_value
 
 
@@ -50,13 +49,31 @@ def tail(path: str, follow: bool, poll_seconds: float = 0.2, out=sys.stdout,
         for record in records if last is None else collections.deque(records, maxlen=last):
             print(format_record(record), file=out, flush=True)
         return
-    records = follow_records(path, poll_seconds)  # from the start of the current file
-    if last is not None:  # the records there now: keep the last `last` of them
-        there_now = sum(1 for _ in read_records(path))
-        for record in collections.deque(itertools.islice(records, there_now), maxlen=last):
+    if last is None:
+        for record in follow_records(path, poll_seconds):
             print(format_record(record), file=out, flush=True)
-    for record in records:
-        print(format_record(record), file=out, flush=True)
+        return
+    # The last `last` records there are now, counted as the non-follow branch does (rotated files
+    # too): the rotated files read whole, then the current file up to where the follower first
+    # reaches the end of its data. What the follower yields after that is new.
+    backlog: collections.deque[TapRecord] = collections.deque(maxlen=last)
+    for name in stream_files(path)[:-1]:
+        backlog.extend(read_records(name))
+    caught_up = False
+
+    def at_end() -> bool:
+        nonlocal caught_up
+        if not caught_up:
+            caught_up = True
+            for record in backlog:
+                print(format_record(record), file=out, flush=True)
+        return False  # follow on
+
+    for record in follow_records(path, poll_seconds, should_stop=at_end):
+        if caught_up:
+            print(format_record(record), file=out, flush=True)
+        else:
+            backlog.append(record)
 
 
 def stats(paths: str | list[str]) -> str:

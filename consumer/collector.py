@@ -15,8 +15,10 @@ after a restart it rebuilds what it has written from the run file's segment head
 torn last frame off before it appends.
 
 What it must never do: write a partial or unauthenticated record, buffer without bound, or let one
-bad client disturb another. Limits (record size, clients, open run files, free disk, stalls) are in
-CollectorLimits; a client that breaks one is told why, logged once and dropped.
+bad client disturb another. Limits (record size, clients, open run files, free disk, stalls, idle
+clients) are in CollectorLimits; a client that breaks one is told why, logged once and dropped. An
+idle sender sends heartbeats (empty frames, never written); a sender that reconnects replaces its
+older connection.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import ssl
 import sys
 import threading
@@ -46,10 +49,12 @@ from consumer.stream import (
     ACK,
     FORMAT,
     FRAME,
+    HEARTBEAT,
     REASON,
     REFUSED,
     SYNC,
     TOKEN_VARIABLE,
+    TOO_LARGE,
     frame_item,
     stream_header,
 )
@@ -73,6 +78,9 @@ class CollectorLimits:
     max_open_runs: int = 32
     min_free_bytes: int = 256 << 20
     stall_seconds: float = 60.0  # a client silent this long mid-record (or before its header)
+    # A client silent this long between records (no record, no heartbeat) is gone: a dead host
+    # must not hold a slot forever. SocketSink sends a heartbeat every 30 s when it has nothing.
+    idle_seconds: float = 300.0
 
 
 class CollectorConfigError(ValueError):
@@ -182,9 +190,14 @@ class Collector:
         self.limits = limits or CollectorLimits()
         self.insecure = insecure
         self._token = token.encode() if token else None
+        # Both keyed by the run file's path: run names that sanitise alike share one file, so
+        # they must share its bookkeeping.
         self._runs: collections.OrderedDict[str, _RunFile] = collections.OrderedDict()
-        self._written: dict[str, dict[str, int]] = {}  # run -> sender -> next unwritten sequence
+        self._written: dict[str, dict[str, int]] = {}  # path -> sender -> next unwritten sequence
         self._writers: set[asyncio.StreamWriter] = set()
+        self._senders: dict[str, asyncio.StreamWriter] = {}  # sender -> its newest connection
+        self._handlers: set[asyncio.Task] = set()
+        self._closing = False  # serve() is ending: no handler may open a run file any more
         self._logged: set[tuple[str, str]] = set()
         self._disk_checked = 0.0
         self._disk_low = False
@@ -202,12 +215,12 @@ class Collector:
         return os.path.join(self.out_dir, (_SAFE_RUN.sub("_", run) or "run") + ".hcbs")
 
     def _run_file(self, run: str) -> _RunFile:
-        run_file = self._runs.get(run)
-        if run_file is not None:
-            self._runs.move_to_end(run)
-            return run_file
         path = self.path_for(run)
-        if run not in self._written:
+        run_file = self._runs.get(path)
+        if run_file is not None:
+            self._runs.move_to_end(path)
+            return run_file
+        if path not in self._written:
             senders: dict[str, int] = {}
             if os.path.exists(path):
                 senders, intact_end, framed = scan_run_file(path)
@@ -215,11 +228,11 @@ class Collector:
                     logger.warning("collector: %s ends in a torn frame (a crash mid-write); cutting "
                                    "it off at byte %d before appending", path, intact_end)
                     os.truncate(path, intact_end)
-            self._written[run] = senders
+            self._written[path] = senders
         while len(self._runs) >= self.limits.max_open_runs:
             _, oldest = self._runs.popitem(last=False)
             oldest.file.close()
-        run_file = self._runs[run] = _RunFile(path)
+        run_file = self._runs[path] = _RunFile(path)
         if run_file.file.tell() == 0:
             run_file.file.write(frame_item(stream_header(run=run, collected=True)))
         return run_file
@@ -243,7 +256,7 @@ class Collector:
             raise _Refuse("write failed", f"the collector cannot write {run_file.path}: "
                                           f"{error.strerror or error}") from error
         run_file.segment = (sender, first + count)
-        self._written[run][sender] = first + count
+        self._written[run_file.path][sender] = first + count
         self.records_written += count
         self.bytes_written += len(blob)
 
@@ -256,9 +269,11 @@ class Collector:
         """Free space where the run files are (tests replace this)."""
         return shutil.disk_usage(self.out_dir).free
 
-    async def _wait_for_disk(self) -> None:
+    async def _wait_for_disk(self, writer: asyncio.StreamWriter) -> None:
         """Stops taking records (the senders wait) while free space is below the limit."""
         while True:
+            if writer.is_closing():  # replaced by its sender's newer connection, or shut down
+                raise ConnectionResetError("the connection was closed while waiting for disk")
             now = time.monotonic()
             if now - self._disk_checked >= 1.0 or self._disk_low:
                 self._disk_checked = now
@@ -312,10 +327,11 @@ class Collector:
                 marker, length, crc = FRAME.unpack_from(buffer, position)
                 if marker != SYNC:
                     raise _Refuse("garbage", "bytes that are not a stream frame")
+                if records and count and (length > limit or length == 0):
+                    break  # take the records before it first (a heartbeat, or one too large)
                 if length > limit:
                     raise _Refuse("too large", f"a {'record' if records else 'header'} of "
-                                               f"{length} bytes is over the collector's limit of "
-                                               f"{limit} bytes")
+                                               f"{length} bytes is {TOO_LARGE} {limit} bytes")
                 end = position + FRAME.size + length
                 if end > size:
                     break
@@ -339,8 +355,15 @@ class Collector:
         self.connections += 1
         peername = writer.get_extra_info("peername") or ("?", 0)
         peer = f"{peername[0]}:{peername[1]}"
+        sock = writer.get_extra_info("socket")
+        if sock is not None:  # the kernel notices a dead peer even while we only wait to read
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        task = asyncio.current_task()
+        if task is not None:
+            self._handlers.add(task)
         self._writers.add(writer)
         self.clients += 1
+        sender = None
         buffer = bytearray()
         header: dict[str, Any] | None = None
         received = 0
@@ -353,8 +376,11 @@ class Collector:
                 try:
                     chunk = await asyncio.wait_for(
                         reader.read(_READ_BYTES),
-                        self.limits.stall_seconds if waiting else None)
+                        self.limits.stall_seconds if waiting else self.limits.idle_seconds)
                 except asyncio.TimeoutError:
+                    if not waiting:
+                        raise _Refuse("idle", f"no record or heartbeat for "
+                                              f"{self.limits.idle_seconds} s") from None
                     raise _Refuse("stalled", f"no bytes for {self.limits.stall_seconds} s "
                                              + ("before its header" if header is None
                                                 else "in the middle of a record")) from None
@@ -376,16 +402,25 @@ class Collector:
                     source = (f"{header.get('host', '?')}:{header.get('pid', '?')}"
                               f"/p{header.get('process', 0)}")
                     logger.debug("collector: %s streams run %r as %s", peer, run, source)
-                count, used = self._frames(buffer, self.limits.max_record_bytes, records=True)
-                if not count:
-                    continue
-                await self._wait_for_disk()
-                self._take(buffer, count, used, run, sender, source, next_sequence)
-                next_sequence += count
-                received += count
-                del buffer[:used]
-                writer.write(ACK.pack(received))
-                await writer.drain()
+                    older = self._senders.get(sender)
+                    if older is not None:  # a reconnect: the old connection is dead or dying
+                        logger.debug("collector: %s reconnected; closing its older connection",
+                                     sender)
+                        older.transport.abort()
+                    self._senders[sender] = writer
+                while True:
+                    while buffer.startswith(HEARTBEAT):
+                        del buffer[:len(HEARTBEAT)]
+                    count, used = self._frames(buffer, self.limits.max_record_bytes, records=True)
+                    if not count:
+                        break
+                    await self._wait_for_disk(writer)
+                    self._take(buffer, count, used, run, sender, source, next_sequence)
+                    next_sequence += count
+                    received += count
+                    del buffer[:used]
+                    writer.write(ACK.pack(received))
+                    await writer.drain()
         except _Refuse as refusal:
             self._log_once(peer, refusal.kind, refusal.reason)
             reason = refusal.reason.encode()
@@ -399,21 +434,37 @@ class Collector:
         finally:
             self.clients -= 1
             self._writers.discard(writer)
+            if sender is not None and self._senders.get(sender) is writer:
+                del self._senders[sender]
+            if task is not None:
+                self._handlers.discard(task)
             writer.close()
 
     def _take(self, buffer: bytearray, count: int, used: int, run: str, sender: str,
               source: str, first: int) -> None:
         """Writes the records of ``buffer[:used]`` (sequence numbers ``first``...) that this
         sender's run file does not hold yet."""
-        if run not in self._written:
-            self._run_file(run)  # rebuilds what the run file holds
-        skip = max(0, min(count, self._written[run].get(sender, 0) - first))
+        if self._closing:  # a handler that waited (for disk) past shutdown
+            raise _Refuse("closing", "the collector is shutting down")
+        path = self.path_for(run)
+        try:
+            if path not in self._written:
+                self._run_file(run)  # rebuilds what the run file holds
+            skip = max(0, min(count, self._written[path].get(sender, 0) - first))
+        except OSError as error:  # cannot open, scan or truncate the run file
+            raise _Refuse("write failed", f"the collector cannot write {path}: "
+                                          f"{error.strerror or error}") from error
         start = 0
         for _ in range(skip):
             start += FRAME.size + FRAME.unpack_from(buffer, start)[1]
         self.duplicates_dropped += skip
         if count > skip:
-            self._write(run, sender, source, first + skip, bytes(buffer[start:used]), count - skip)
+            try:
+                self._write(run, sender, source, first + skip, bytes(buffer[start:used]),
+                            count - skip)
+            except OSError as error:  # reopening an LRU-closed run file
+                raise _Refuse("write failed", f"the collector cannot write {path}: "
+                                              f"{error.strerror or error}") from error
 
     # ---- serving ----
 
@@ -436,9 +487,13 @@ class Collector:
             async with server:
                 await server.serve_forever()
         finally:
+            self._closing = True
             for writer in list(self._writers):  # drop the clients, so that their senders notice
                 writer.transport.abort()
-            await asyncio.sleep(0)
+            handlers = [task for task in self._handlers if task is not asyncio.current_task()]
+            for task in handlers:  # one waiting for disk would otherwise reopen a run file
+                task.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
             self.close()
 
     def counts(self) -> str:
@@ -530,6 +585,9 @@ def add_collect_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stall-seconds", type=float, default=defaults.stall_seconds,
                         help="a sender silent this long mid-record is dropped "
                              "(default %(default)s)")
+    parser.add_argument("--idle-seconds", type=float, default=defaults.idle_seconds,
+                        help="a sender that sends no record or heartbeat this long is dropped; "
+                             "SocketSink beats every 30 s (default %(default)s)")
 
 
 def collect_command(args: argparse.Namespace) -> int:
@@ -543,7 +601,7 @@ def collect_command(args: argparse.Namespace) -> int:
                               tls=tls,
                               limits=CollectorLimits(args.max_record_bytes, args.max_clients,
                                                      args.max_open_runs, args.min_free_bytes,
-                                                     args.stall_seconds))
+                                                     args.stall_seconds, args.idle_seconds))
         collector.check_bind(args.host)
     except (CollectorConfigError, OSError, ssl.SSLError) as error:
         print(f"collect: {error}", file=sys.stderr)

@@ -114,7 +114,11 @@ class ProgressSink(Sink):
             # another has begun the next. Each device counts its runs (a step lower than its own
             # last one begins one), and the bar follows the newest run.
             run, last = self._sources.get(source, (self._run, 0))
-            if reported is not None and reported < last:
+            # A lower step begins a run; so does the same step again once this source's bar is
+            # done (a loop whose only report is its last step, run twice).
+            if reported is not None and (reported < last or (
+                    reported == last and run == self._run and self._bar is None
+                    and self._bar_done)):
                 run += 1
             self._sources[source] = (run, last if reported is None else reported)
             if run < self._run:

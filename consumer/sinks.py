@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import select
 import socket
 import ssl
@@ -24,15 +25,18 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
+import msgpack
 import numpy as np
 
 import hostcallback
 from consumer.stream import (
     ACK,
     FRAME,
+    HEARTBEAT,
     REASON,
     REFUSED,
     TOKEN_VARIABLE,
+    TOO_LARGE,
     StreamWriter,
     TapRecord,
     frame_item,
@@ -305,6 +309,14 @@ def format_table(summary: dict[str, dict[str, float]]) -> str:
 # ---- sockets ---------------------------------------------------------------------------------
 
 
+def _unpack_name(data: bytes) -> str:
+    """The name of a framed record, for a log line."""
+    try:
+        return str(msgpack.unpackb(data[FRAME.size:], raw=False, strict_map_key=False)["name"])
+    except Exception:  # noqa: BLE001 (only for a message)
+        return "?"
+
+
 # A send that makes no progress this long means the collector is gone without a word (a network
 # partition): the sink reconnects.
 _SEND_TIMEOUT = 60.0
@@ -314,6 +326,13 @@ class _Refused(OSError):
     """The collector hung up on purpose and said why."""
 
 
+class _Unacknowledged(OSError):
+    """The collector took bytes but acknowledged nothing for ``ack_timeout`` s."""
+
+
+_TOO_LARGE = re.compile(r"a record of \d+ bytes is " + re.escape(TOO_LARGE) + r" (\d+) bytes")
+
+
 class SocketSink(Sink):
     """Streams records to a collector over TCP from a background thread, exactly once.
 
@@ -321,14 +340,19 @@ class SocketSink(Sink):
     the sink reconnects with backoff and sends every unacknowledged record again, numbered, so the
     collector drops the ones it has already written ("Record stream format"). The buffer holds at
     most ``max_buffered_bytes``; when it is full, ``emit`` waits (``waits`` and ``wait_seconds``
-    count it) rather than dropping. No wait is unbounded by our own timeouts: a barrier's
-    ``timeout``, HOSTCALLBACK_EXIT_TIMEOUT at exit, and ``flush_timeout`` otherwise. When the
-    collector cannot be reached, or refuses the sink (a wrong token), it says so once.
+    count it), for ``flush_timeout`` at most, then drops that record (``dropped`` counts it, and
+    each drop is logged). No wait is unbounded by our own timeouts: a barrier's ``timeout``,
+    HOSTCALLBACK_EXIT_TIMEOUT at exit, and ``flush_timeout`` otherwise. When the collector cannot
+    be reached, or refuses the sink (a wrong token), it says so once. A record over the
+    collector's ``--max-record-bytes`` is dropped (logged, counted in ``dropped``) and the sink
+    adopts that limit. A collector that acknowledges nothing for ``ack_timeout`` s is left and
+    reconnected to; an idle connection carries a heartbeat every ``heartbeat_seconds``.
     """
 
     def __init__(self, host: str, port: int, *, run: str = "run", token: str | None = None,
                  max_buffered_bytes: int = 64 << 20, max_record_bytes: int = 4 << 20,
                  connect_timeout: float = 5.0, flush_timeout: float = 30.0,
+                 ack_timeout: float = 60.0, heartbeat_seconds: float = 30.0,
                  tls_ca_file: str | os.PathLike | None = None) -> None:
         self.address = (host, port)
         # TLS to a collector started with --tls-cert: its certificate must verify against this CA
@@ -342,6 +366,9 @@ class SocketSink(Sink):
         self.max_record_bytes = max_record_bytes
         self.connect_timeout = connect_timeout
         self.flush_timeout = flush_timeout
+        self.ack_timeout = ack_timeout
+        self.heartbeat_seconds = heartbeat_seconds
+        self.dropped = 0  # records given up on: no room in time, or too large for the collector
         self.waits = 0
         self.wait_seconds = 0.0
         self.reconnects = 0
@@ -349,6 +376,7 @@ class SocketSink(Sink):
         self.acknowledged = 0  # also the sequence number of the oldest unacknowledged record
         self.problem: str | None = None  # why the collector is not taking records, while it is not
         self._flush_warned = False
+        self._last_refusal: str | None = None  # logged already in this outage
         self._frames: list[bytes] = []  # unacknowledged, oldest first; the first _sent went out
         self._sent = 0
         self._buffered = 0
@@ -379,11 +407,20 @@ class SocketSink(Sink):
             if self._buffered and self._buffered + len(data) > self.max_buffered_bytes:
                 started = time.monotonic()
                 self.waits += 1
-                self._cond.wait_for(lambda: self._abandoned or not self._buffered
-                                    or self._buffered + len(data) <= self.max_buffered_bytes)
+                room = self._cond.wait_for(
+                    lambda: self._abandoned or not self._buffered
+                    or self._buffered + len(data) <= self.max_buffered_bytes, self.flush_timeout)
                 self.wait_seconds += time.monotonic() - started
                 if self._abandoned:
                     raise ValueError("SocketSink is closed")
+                if not room:  # the receiver thread must not stall forever: give this one up
+                    self.dropped += 1
+                    logger.warning("SocketSink to %s:%d: dropped record %r: no room in its "
+                                   "buffer (max_buffered_bytes=%d) after flush_timeout=%s s (%s); "
+                                   "%d dropped so far", *self.address, record.name,
+                                   self.max_buffered_bytes, self.flush_timeout,
+                                   self.problem or "the collector is slow", self.dropped)
+                    return
             self._frames.append(data)
             self._buffered += len(data)
             self._cond.notify_all()
@@ -394,6 +431,7 @@ class SocketSink(Sink):
         connection = socket.create_connection(self.address, timeout=self.connect_timeout)
         try:
             connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            connection.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             if self._tls is not None:
                 connection = self._tls.wrap_socket(connection, server_hostname=self.address[0])
             connection.settimeout(_SEND_TIMEOUT)
@@ -452,10 +490,36 @@ class SocketSink(Sink):
         return "the collector refused this sink: " + bytes(acks[start:start + length]).decode(
             "utf-8", "replace")
 
-    def _report_problem(self, problem: str) -> None:
+    def _drop_too_large(self, refusal: str) -> bool:
+        """After a refusal "too large": drops the record that caused it (the oldest not
+        acknowledged, as the collector acknowledges all before it) and adopts the collector's
+        limit; False for any other refusal."""
+        match = _TOO_LARGE.search(refusal)
+        if match is None:
+            return False
         with self._cond:
-            first_time = self.problem is None or (self.problem != problem
-                                                   and problem.startswith("the collector refused"))
+            if not self._frames:
+                return False
+            data = self._frames.pop(0)
+            self._buffered -= len(data)
+            self.acknowledged += 1  # its sequence number is skipped, never reused
+            self._sent = 0
+            self.dropped += 1
+            self.max_record_bytes = min(self.max_record_bytes, int(match.group(1)))
+            self._cond.notify_all()
+        name = _unpack_name(data)
+        logger.error("SocketSink to %s:%d: dropped record %r of %d bytes: %s; later records "
+                     "go on (%d dropped so far)", *self.address, name, len(data) - FRAME.size,
+                     refusal, self.dropped)
+        return True
+
+    def _report_problem(self, problem: str) -> None:
+        refused = problem.startswith("the collector refused")
+        with self._cond:
+            # A refusal is logged once per outage, even between connection resets.
+            first_time = self.problem is None if not refused else problem != self._last_refusal
+            if refused:
+                self._last_refusal = problem
             self.problem = problem
             self._cond.notify_all()
         if first_time:  # once per outage, not once per retry
@@ -464,11 +528,21 @@ class SocketSink(Sink):
 
     def _send_loop(self) -> None:
         connection, acks, on_connection, delay = None, bytearray(), [0], 0.05
+        last_sent = waiting_since = time.monotonic()  # waiting_since: for the oldest ack due
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._abandoned or self._frames or self._closed)
+                self._cond.wait_for(lambda: self._abandoned or self._frames or self._closed,
+                                    None if connection is None else self.heartbeat_seconds)
                 if self._abandoned or (self._closed and not self._frames):
                     break
+                if not self._frames:  # idle: tell the collector this sink is alive
+                    try:
+                        connection.sendall(HEARTBEAT)
+                        last_sent = time.monotonic()
+                    except OSError:
+                        connection.close()
+                        connection = None
+                    continue
                 batch, size = [], 0
                 for data in self._frames[self._sent:]:
                     if batch and size + len(data) > 1 << 20:
@@ -480,17 +554,32 @@ class SocketSink(Sink):
                     connection = self._connect()
                     acks, on_connection = bytearray(), [0]
                     continue  # _connect rewound what to send: gather it again
+                now = time.monotonic()
                 if batch:
                     connection.sendall(b"".join(batch))
                     with self._cond:
+                        if not self._sent:
+                            waiting_since = now
                         self._sent += len(batch)
+                    last_sent = now
+                elif now - last_sent >= self.heartbeat_seconds:  # waiting for acks only
+                    connection.sendall(HEARTBEAT)
+                    last_sent = now
+                acknowledged = on_connection[0]
                 self._take_acknowledgements(connection, acks, on_connection,
                                             0 if batch or connection is None else 0.05)
+                if on_connection[0] != acknowledged:
+                    waiting_since = time.monotonic()
+                elif self._sent and time.monotonic() - waiting_since > self.ack_timeout:
+                    raise _Unacknowledged(f"the collector acknowledged nothing for "
+                                          f"{self.ack_timeout} s (reconnecting to send "
+                                          f"{self._sent} records again)")
                 if self.problem is not None and on_connection[0]:
                     logger.warning("SocketSink to %s:%d: the collector takes records again",
                                    *self.address)
                     with self._cond:
                         self.problem = None
+                        self._last_refusal = None
                         self._flush_warned = False
                 delay = 0.05
             except OSError as error:
@@ -501,9 +590,11 @@ class SocketSink(Sink):
                     self.connect_failures += 1
                 connection = None
                 refused = isinstance(error, _Refused)
-                self._report_problem(str(error) if refused else
-                                     f"cannot reach the collector ({type(error).__name__}: "
-                                     f"{error})")
+                if refused and self._drop_too_large(str(error)):
+                    continue  # reconnect at once and send what follows it
+                self._report_problem(str(error) if refused or isinstance(error, _Unacknowledged)
+                                     else f"cannot reach the collector ({type(error).__name__}: "
+                                          f"{error})")
                 with self._cond:
                     self._cond.wait_for(lambda: self._abandoned, 2.0 if refused else delay)
                 delay = min(delay * 2, 2.0)

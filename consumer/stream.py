@@ -49,6 +49,12 @@ _V1_RECORD = b"\x8c\xa4name"
 ACK = struct.Struct("<Q")
 REFUSED = (1 << 64) - 1
 REASON = struct.Struct("<I")
+# The collector's refusal of a record over its --max-record-bytes says "... is {TOO_LARGE} N bytes";
+# SocketSink then drops that record alone and lowers its own limit to N.
+TOO_LARGE = "over the collector's limit of"
+# An empty frame: SocketSink sends one when idle, so the collector knows it is alive. The collector
+# never writes it to a run file.
+HEARTBEAT = FRAME.pack(SYNC, 0, 0)
 # The shared token a collector may require; SocketSink presents it in its stream header.
 TOKEN_VARIABLE = "HOSTCALLBACK_COLLECTOR_TOKEN"
 
@@ -246,6 +252,7 @@ class StreamReader:
         self._version: int | None = None  # 1: plain msgpack items, 2: frames
         self._damage: tuple[int, str] | None = None  # (start offset, reason) while skipping
         self._source = ""  # the collector's segment header names the source of what follows
+        self._searched = (-1, 0)  # (frame offset, offset searched to) for _intact_frame_within
 
     def feed(self, data: bytes) -> list[TapRecord]:
         self._buffer += data
@@ -339,7 +346,10 @@ class StreamReader:
             raise _Damaged(f"frame length {length} is over the limit of {self.max_item_bytes}")
         end = position + FRAME.size + length
         if end > len(buffer):
-            return 0
+            if self._intact_frame_within(position, end):
+                raise _Damaged(f"frame length {length} runs past an intact frame (a damaged "
+                               "length field)")
+            return 0  # wait for the rest
         payload = bytes(buffer[position + FRAME.size:end])
         if zlib.crc32(payload) != crc:
             raise _Damaged("CRC-32 does not match the frame's contents")
@@ -350,6 +360,34 @@ class StreamReader:
         self._version = self._version or 2
         self._take(item, records)
         return end - position
+
+    def _intact_frame_within(self, position: int, end: int) -> bool:
+        """Whether a whole, CRC-valid frame lies inside the incomplete frame at ``position``
+        (which claims to end at ``end``): then its length is damaged, and a follower must not
+        wait for bytes that never come. Each byte is searched once however often this is asked."""
+        buffer = self._buffer
+        frame_at = self._base + position
+        search = position + FRAME.size
+        if self._searched[0] == frame_at:
+            search = max(search, self._searched[1] - self._base)
+        while True:
+            found = buffer.find(SYNC, search, min(end, len(buffer)))
+            if found < 0:
+                self._searched = (frame_at, self._base + max(search, len(buffer) - len(SYNC) + 1))
+                return False
+            if len(buffer) - found < FRAME.size:
+                self._searched = (frame_at, self._base + found)
+                return False
+            _, length, crc = FRAME.unpack_from(buffer, found)
+            inner_end = found + FRAME.size + length
+            if 0 < length and inner_end <= end:  # a frame that could lie inside it
+                if inner_end > len(buffer):
+                    self._searched = (frame_at, self._base + found)  # look again with more bytes
+                    return False
+                with memoryview(buffer)[found + FRAME.size:inner_end] as payload:
+                    if zlib.crc32(payload) == crc:
+                        return True
+            search = found + 1
 
     def _parse_plain(self, position: int, records: list[TapRecord]) -> int:
         """Version-1 items (bare msgpack maps) from ``position``, up to the next frame or damage;

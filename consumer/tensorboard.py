@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fnmatch
 import itertools
+import logging
 import os
 import struct
 import threading
@@ -29,6 +30,8 @@ import numpy as np
 from consumer.sinks import Sink
 from consumer.stream import TapRecord
 from hostcallback.receiver import receivers
+
+logger = logging.getLogger("hostcallback.tensorboard")
 
 
 def _tensorboardx():
@@ -123,7 +126,16 @@ class TensorBoardSink(Sink):
                     self._counters[run, tag] = step + 1
                 values = array.astype(np.float64)
                 if self._is_histogram(tag, array):
-                    summary = self._summary.histogram(tag, values.reshape(-1), "auto",
+                    values = values.reshape(-1)
+                    finite = np.isfinite(values)
+                    if not finite.all():  # a diverging run: keep what can be drawn, and say so
+                        logger.warning("TensorBoardSink: %s at step %d: %d non-finite values "
+                                       "(NaN or Inf) left out of its histogram", tag, step,
+                                       int(values.size - finite.sum()))
+                        values = values[finite]
+                        if not values.size:
+                            continue
+                    summary = self._summary.histogram(tag, values, "auto",
                                                       max_bins=self.histogram_bins)
                 else:
                     summary = self._summary.scalar(tag, float(values.mean()))

@@ -1,6 +1,7 @@
 """python -m consumer: version, help, tail -n, stats and plot per source, and clean failures."""
 
 import argparse
+import os
 import subprocess
 import sys
 
@@ -204,3 +205,51 @@ def test_an_image_format_matplotlib_cannot_write_is_one_line_naming_the_formats(
     assert result.returncode == 1
     (line,) = result.stderr.splitlines()
     assert line.startswith(f"plot: cannot write {tmp_path / 'x.abc'}") and "png" in line
+
+
+@pytest.mark.timeout(60)
+def test_tail_n_with_follow_counts_the_rotated_files_too(tmp_path):
+    from consumer import FileSink
+
+    path = tmp_path / "rotated.hcbs"
+    sink = FileSink(path)
+    for s in range(4):
+        sink.emit(TapRecord(name="grow", step=s, value=np.int32(s)))
+    sink.close()
+    os.replace(path, f"{path}.1")  # as FileSink rotates
+    sink = FileSink(path)
+    sink.emit(TapRecord(name="grow", step=4, value=np.int32(4)))
+    sink.flush()
+    follower = subprocess.Popen([sys.executable, "-m", "consumer", "tail", "-n", "3", "-f",
+                                 str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        first = [follower.stdout.readline().strip() for _ in range(6)]
+        sink.emit(TapRecord(name="grow", step=5, value=np.int32(5)))
+        sink.flush()
+        then = [follower.stdout.readline().strip() for _ in range(2)]
+    finally:
+        follower.terminate()
+        follower.wait(10)
+        sink.close()
+    assert first[::2] == ["name: grow step: 2", "name: grow step: 3", "name: grow step: 4"]
+    assert then == ["name: grow step: 5", "5"]
+
+
+@pytest.mark.timeout(60)
+def test_tail_n_with_follow_past_a_damaged_length_prints_the_last_records(tmp_path):
+    data = bytearray(stream.dumps([TapRecord(name="old", step=s, value=s) for s in range(5)]))
+    start = -1
+    for _ in range(3):  # the header, record 0, record 1
+        start = data.find(stream.SYNC, start + 1)
+    data[start + 4:start + 8] = (10 ** 6).to_bytes(4, "little")  # record 1's length
+    path = tmp_path / "damaged.hcbs"
+    path.write_bytes(bytes(data))
+    follower = subprocess.Popen([sys.executable, "-m", "consumer", "tail", "-n", "2", "-f",
+                                 str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True)
+    try:
+        first = [follower.stdout.readline().strip() for _ in range(4)]
+    finally:
+        follower.terminate()
+        follower.wait(10)
+    assert first[::2] == ["name: old step: 3", "name: old step: 4"]

@@ -1,6 +1,7 @@
 """The collector on a shared network: token, limits, exactly once across reconnects and restarts,
 bad clients, and the `collect` command."""
 
+import asyncio
 import logging
 import os
 import shutil
@@ -15,9 +16,11 @@ import pytest
 
 from consumer import SocketSink, TapRecord, read_records, stream
 from consumer.collector import (
+    Collector,
     CollectorConfigError,
     CollectorLimits,
     CollectorThread,
+    scan_run_file,
     tls_context,
 )
 
@@ -168,8 +171,8 @@ def test_clients_over_the_limit_are_refused(make_collector):
     server = make_collector(limits=CollectorLimits(max_clients=2))
     first, second = (socket.create_connection(("127.0.0.1", server.port)) for _ in range(2))
     try:
-        for client in (first, second):
-            client.sendall(header() + frames([1]))
+        for index, client in enumerate((first, second)):
+            client.sendall(header(sender=f"sender-{index}") + frames([1]))
             read_acks(client, 1)
         with socket.create_connection(("127.0.0.1", server.port)) as third:
             assert "already serves 2 clients" in refusal(third)
@@ -203,6 +206,122 @@ def test_low_disk_stops_writing_until_there_is_room(make_collector):
     sink.flush(timeout=20)
     assert values_in(server.collector.path_for("disk")) == [0, 1, 2]
     sink.close()
+
+
+def test_a_record_over_the_collectors_limit_is_dropped_once_and_later_ones_delivered(
+        make_collector, caplog):
+    server = make_collector(limits=CollectorLimits(max_record_bytes=1000))
+    sink = SocketSink("127.0.0.1", server.port, run="big")  # its own limit is 4 MiB
+    with caplog.at_level(logging.WARNING, logger="hostcallback.sinks"):
+        sink.emit(TapRecord(name="r", value=0))
+        sink.emit(TapRecord(name="r", value=np.zeros(1000)))
+        for value in (2, 3):
+            sink.emit(TapRecord(name="r", value=value))
+        sink.flush(timeout=20)
+    assert values_in(server.collector.path_for("big")) == [0, 2, 3]
+    assert sink.dropped == 1
+    assert sum("dropped record 'r'" in r.getMessage() for r in caplog.records) == 1
+    assert sink.max_record_bytes == 1000  # the collector's limit, learnt from its refusal
+    assert sink.close() == 0
+
+
+def test_the_collector_takes_the_records_before_one_over_its_limit(make_collector):
+    server = make_collector(limits=CollectorLimits(max_record_bytes=1000))
+    with socket.create_connection(("127.0.0.1", server.port)) as client:
+        client.sendall(header() + frames([1, 2]) + stream.frame(b"\x8c\xa4name" + bytes(2000)))
+        client.settimeout(20)
+        data = b""
+        while chunk := client.recv(4096):
+            data += chunk
+    # First the acknowledgement of both records, then the refusal of the third.
+    assert stream.ACK.unpack_from(data)[0] == 2
+    assert stream.ACK.unpack_from(data, stream.ACK.size)[0] == stream.REFUSED
+    assert b"over the collector's limit of 1000" in data
+    assert values_in(server.collector.path_for("raw")) == [1, 2]
+
+
+def test_a_client_idle_between_records_past_idle_seconds_is_dropped(make_collector):
+    server = make_collector(limits=CollectorLimits(idle_seconds=0.3))
+    with socket.create_connection(("127.0.0.1", server.port)) as client:
+        client.sendall(header() + frames([1]))
+        read_acks(client, 1)
+        assert "no record or heartbeat for 0.3 s" in refusal(client)
+    assert server.collector.refused["idle"] == 1
+
+
+def test_a_sinks_heartbeats_keep_an_idle_connection_open(make_collector):
+    server = make_collector(limits=CollectorLimits(idle_seconds=2.0))
+    sink = SocketSink("127.0.0.1", server.port, run="beat", heartbeat_seconds=0.1)
+    sink.emit(TapRecord(name="r", value=1))
+    sink.flush(timeout=20)
+    time.sleep(3.0)  # longer than idle_seconds without a record
+    sink.emit(TapRecord(name="r", value=2))
+    sink.flush(timeout=20)
+    assert sink.reconnects == 0 and server.collector.refused["idle"] == 0
+    assert server.collector.connections == 1
+    assert sink.close() == 0
+
+
+def test_a_reconnect_of_the_same_sender_closes_its_older_connection(make_collector):
+    server = make_collector()
+    older = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        older.sendall(header(sender="same") + frames([1]))
+        read_acks(older, 1)
+        with socket.create_connection(("127.0.0.1", server.port)) as newer:
+            newer.sendall(header(sender="same", first=1) + frames([2]))
+            read_acks(newer, 1)
+            older.settimeout(20)
+            assert older.recv(4096) == b""  # the collector closed it
+            wait_until(lambda: server.collector.clients == 1, what="one client left")
+    finally:
+        older.close()
+    assert values_in(server.collector.path_for("raw")) == [1, 2]
+
+
+def test_a_run_file_that_cannot_be_opened_is_a_refusal_with_a_reason(make_collector):
+    server = make_collector()
+    os.makedirs(server.collector.path_for("blocked"))  # a directory where the file should be
+    with socket.create_connection(("127.0.0.1", server.port)) as client:
+        client.sendall(header(run="blocked") + frames([1]))
+        assert "cannot write" in refusal(client)
+    assert server.collector.refused["write failed"] == 1
+
+
+def test_run_names_that_sanitise_to_one_file_share_its_bookkeeping(make_collector):
+    server = make_collector()
+    for run, sender, first, values in (("exp/1", "a", 0, [0, 1]), ("exp_1", "b", 0, [10, 11]),
+                                       ("exp/1", "a", 2, [2, 3])):
+        with socket.create_connection(("127.0.0.1", server.port)) as client:
+            client.sendall(header(run=run, sender=sender, first=first) + frames(values))
+            read_acks(client, len(values))
+    path = server.collector.path_for("exp/1")
+    assert path == server.collector.path_for("exp_1")
+    assert scan_run_file(path)[0] == {"a": 4, "b": 2}  # which sender wrote which records
+
+
+@pytest.mark.timeout(30)
+def test_a_handler_waiting_for_disk_does_not_reopen_a_run_file_after_shutdown(tmp_path):
+    async def scenario():
+        collector = Collector(tmp_path / "out")
+        collector.free_bytes = lambda: 0
+        ready = asyncio.Event()
+        serving = asyncio.ensure_future(collector.serve("127.0.0.1", 0, ready))
+        await ready.wait()
+        _reader, writer = await asyncio.open_connection("127.0.0.1", collector.port)
+        writer.write(header(run="late") + frames([1]))
+        await writer.drain()
+        while collector.clients == 0 or not collector._disk_low:
+            await asyncio.sleep(0.02)
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+        collector.free_bytes = lambda: 1 << 40
+        await asyncio.sleep(1.0)  # the waiting handler's next looks at the disk
+        writer.close()
+        return collector
+
+    collector = asyncio.run(scenario())
+    assert collector._runs == {} and collector.records_written == 0
 
 
 # ---- exactly once ----

@@ -215,3 +215,18 @@ def test_wait_returns_once_the_loops_bar_has_finished():
         assert sink.wait(timeout=60)
         assert sink.position == 100
     assert not sink.wait(timeout=0.01)  # each finished bar ends one wait
+
+
+def test_a_rerun_whose_only_report_equals_the_last_starts_a_new_bar():
+    sink = ProgressSink(total=10, file=io.StringIO())
+    for _ in range(2):  # progress_fori_loop(0, 10, every=10) run twice: one report of step 9
+        sink.emit(_record(9))
+        assert sink.wait(timeout=10)
+    assert sink.bars_started == 2
+
+
+def test_a_slower_device_finishing_the_same_run_does_not_start_a_bar():
+    sink = ProgressSink(total=10, file=io.StringIO())
+    sink.emit(_record(9, device_id=0))
+    sink.emit(_record(9, device_id=1))
+    assert sink.bars_started == 1

@@ -3,6 +3,7 @@ a collector that cannot be reached is reported once, and records that never arri
 
 import logging
 import socket
+import threading
 import time
 
 import jax
@@ -11,6 +12,7 @@ from conftest import run_python
 
 import hostcallback as hcb
 from consumer import SocketSink, TapRecord, tap_to
+from consumer.stream import ACK, REASON, REFUSED
 
 
 def dead_port() -> int:
@@ -79,3 +81,94 @@ def test_exit_is_bounded_by_the_exit_timeout_with_an_unreachable_collector():
     assert result.returncode == 0, result.stderr
     assert "dispatched" in result.stdout
     assert "1 records not acknowledged yet" in result.stderr
+
+
+class FakeCollector:
+    """A listening socket whose connections ``serve(connection, index)`` handles, one by one."""
+
+    def __init__(self, serve):
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.connections = 0
+        self._serve = serve
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(connection, self.connections),
+                             daemon=True).start()
+
+    def close(self):
+        self.server.close()
+
+
+def wait_until(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "the condition did not happen in time"
+        time.sleep(0.02)
+
+
+def _read_forever(connection, index):
+    with connection:
+        while connection.recv(1 << 16):
+            pass
+
+
+@pytest.mark.timeout(30)
+def test_a_collector_that_never_acknowledges_is_left_after_the_ack_timeout(caplog):
+    silent = FakeCollector(_read_forever)
+    with caplog.at_level(logging.WARNING, logger="hostcallback.sinks"):
+        sink = SocketSink("127.0.0.1", silent.port, run="silent", ack_timeout=0.5)
+        sink.emit(TapRecord(name="r", value=1))
+        wait_until(lambda: silent.connections >= 2)  # it reconnected to send again
+        sink.close(timeout=0)
+    silent.close()
+    assert sink.reconnects >= 1
+    assert "acknowledged nothing for 0.5 s" in caplog.text
+
+
+@pytest.mark.timeout(30)
+def test_emit_on_a_full_buffer_drops_after_flush_timeout_and_says_so(caplog):
+    sink = SocketSink("127.0.0.1", dead_port(), run="full", max_buffered_bytes=100,
+                      flush_timeout=0.5)
+    with caplog.at_level(logging.WARNING, logger="hostcallback.sinks"):
+        sink.emit(TapRecord(name="r", value=1))
+        sink.emit(TapRecord(name="r", value=2))  # waits for room, then gives up on this one
+    assert sink.dropped == 1 and sink.pending == 1 and sink.waits == 1
+    assert "dropped record 'r'" in caplog.text and "1 dropped so far" in caplog.text
+    sink.close(timeout=0)
+
+
+def _refuse_then_reset(connection, index):
+    with connection:
+        connection.recv(1 << 16)
+        if index % 2:  # refuse, saying why
+            reason = b"wrong or missing token"
+            connection.sendall(ACK.pack(REFUSED) + REASON.pack(len(reason)) + reason)
+            connection.settimeout(5)
+            try:
+                while connection.recv(1 << 16):  # until the sink hangs up, as a collector does
+                    pass
+            except OSError:
+                pass
+        # else hang up without a word: the sink sees a reset
+
+
+@pytest.mark.timeout(60)
+def test_a_refusal_alternating_with_resets_is_reported_once(caplog):
+    fickle = FakeCollector(_refuse_then_reset)
+    with caplog.at_level(logging.WARNING, logger="hostcallback.sinks"):
+        sink = SocketSink("127.0.0.1", fickle.port, run="fickle")
+        sink.emit(TapRecord(name="r", value=1))
+        wait_until(lambda: fickle.connections >= 5, timeout=40)  # three refusals
+        sink.close(timeout=0)
+    fickle.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum("wrong or missing token" in message for message in warnings) == 1

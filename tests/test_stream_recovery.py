@@ -159,3 +159,23 @@ def test_cli_tail_of_a_damaged_file_reports_the_range_and_prints_the_rest(tmp_pa
     assert result.stdout.count("name: x") == 9
     (warning,) = result.stderr.strip().splitlines()
     assert "skipped bytes" in warning and "CRC-32" in warning
+
+
+def test_following_resynchronises_past_a_damaged_length_with_intact_frames_inside_it(tmp_path):
+    data = bytearray(stream.dumps(RECORDS))
+    start = offset_of_record(data, 2)
+    data[start + 4:start + 8] = (10 ** 6).to_bytes(4, "little")  # claims more than there is
+    path = tmp_path / "live.hcbs"
+    path.write_bytes(bytes(data))  # a live file: the writer may still be writing
+    followed = list(follow_records(path, poll_seconds=0.01, should_stop=lambda: True))
+    assert steps(followed) == [0, 1, 3, 4, 5, 6, 7, 8, 9]
+
+
+def test_a_long_frame_still_arriving_is_waited_for_not_skipped():
+    big = TapRecord(name="x", step=0, value=np.arange(100_000))
+    data = stream.dumps([big, RECORDS[1]])
+    reader = stream.StreamReader()
+    got = []
+    for position in range(0, len(data), 4096):
+        got += reader.feed(data[position:position + 4096])
+    assert steps(got + reader.finish()) == [0, 1] and reader.skipped == []

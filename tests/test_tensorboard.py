@@ -107,3 +107,15 @@ def test_per_device_writes_a_run_per_device_of_a_pmap(tmp_path):
     runs = {f"dev{d.id}": read_scalars(tmp_path / f"dev{d.id}") for d in devices}
     assert runs == {f"dev{d.id}": {"train/loss": [(0, float(i))]}
                     for i, d in enumerate(devices)}
+
+
+def test_non_finite_values_are_left_out_of_a_histogram_and_counted(tmp_path, caplog):
+    sink = TensorBoardSink(tmp_path, histograms=["train/w"])
+    values = np.array([1.0, np.nan, 2.0, np.inf, -np.inf, 3.0])
+    with caplog.at_level("WARNING", logger="hostcallback.tensorboard"):
+        sink.emit(TapRecord(name="train", step=7, value={"w": values}))
+    sink.close()
+    (histo,) = [value.histo for path in event_files(tmp_path) for event in read_events(path)
+                for value in event.summary.value if value.HasField("histo")]
+    assert histo.num == 3 and histo.min == 1.0 and histo.max == 3.0
+    assert "3 non-finite values" in caplog.text

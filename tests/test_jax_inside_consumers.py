@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import TRANSPORTS, run_python
 
 PRELUDE = """
-import json
+import json, time
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 import hostcallback as hcb
@@ -44,6 +44,11 @@ called = run(lambda x: hcb.call(on_device, x, result_shape=x, call_with_device=T
 hcb.configure(max_queue_bytes=4096)
 seen = []
 def consume(v, transforms, device):
+    if not seen:  # hold the first record until the device waits for room (at most 30 s)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(
+                s["producers_waiting"] for s in hcb.queue_stats().values()):
+            time.sleep(0.01)
     seen.append(float(on_device(v, device).sum()))
 
 def taps(x):

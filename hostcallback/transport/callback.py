@@ -31,25 +31,26 @@ def _leaf(array: np.ndarray):
     return wire.dtype_code(array.dtype), list(array.shape), array.reshape(-1).view(np.uint8)
 
 
-def _ordinal_of_partition(axis_context) -> Callable[[np.ndarray], int]:
-    """Maps XLA's partition id, as the callback receives it, to the calling device's ordinal."""
+def _device_of_partition(axis_context) -> Callable[[np.ndarray], jax.Device]:
+    """Maps XLA's partition id, as the callback receives it, to the calling device. Its queue
+    is named by platform and id, as the receivers name it."""
     if isinstance(axis_context, sharding_impls.SPMDAxisContext):
         devices = tuple(axis_context.mesh.devices.flat)
     else:
         devices = tuple(getattr(axis_context, "device_assignment", None) or ())
-    ordinals = tuple(d.id for d in devices)
-    if not ordinals:
-        return lambda partition: jax.local_devices()[0].id
-    return lambda partition: ordinals[int(partition)]
+    if not devices:
+        return lambda partition: jax.local_devices()[0]
+    return lambda partition: devices[int(partition)]
 
 
 def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
-    ordinal_of = _ordinal_of_partition(ctx.module_context.axis_context)
+    device_of = _device_of_partition(ctx.module_context.axis_context)
 
     def enqueue_on_host(partition, *arrays):
-        ordinal = ordinal_of(partition)
-        if emit_device in (-1, ordinal):
-            outfeed.enqueue(ordinal, consumer_id, [_leaf(a) for a in arrays])
+        device = device_of(partition)
+        if emit_device in (-1, device.id):
+            outfeed.enqueue(device.id, consumer_id, [_leaf(a) for a in arrays],
+                            platform=device.platform)
         return ()
 
     partition = hlo.partition_id()
@@ -64,14 +65,15 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, r
          timeout_s: float):
     """The device's Python callback sends the record and waits (GIL released) for the answer;
     with emit_device >= 0 the other devices return zeros at once."""
-    ordinal_of = _ordinal_of_partition(ctx.module_context.axis_context)
+    device_of = _device_of_partition(ctx.module_context.axis_context)
     shapes = [(a.shape, np.dtype(a.dtype)) for a in result_avals]
 
     def call_on_host(partition, *arrays):
-        ordinal = ordinal_of(partition)
-        if emit_device not in (-1, ordinal):
+        device = device_of(partition)
+        if emit_device not in (-1, device.id):
             return tuple(np.zeros(shape, dtype) for shape, dtype in shapes)
-        answers = outfeed.call(ordinal, consumer_id, [_leaf(a) for a in arrays], timeout_s)
+        answers = outfeed.call(device.id, consumer_id, [_leaf(a) for a in arrays], timeout_s,
+                               platform=device.platform)
         return tuple(np.frombuffer(answer, dtype=dtype).reshape(shape)
                      for answer, (shape, dtype) in zip(answers, shapes))
 
@@ -100,10 +102,12 @@ def register_shard_callback(ctx) -> int:
             f"partitioned=True taps on {ctx.module_context.platforms[0]} are not supported (JAX's "
             "host callbacks cannot run per shard there); tap inside a shard_map instead, where "
             "each device taps its own shard")
-    ordinal_of = _ordinal_of_partition(ctx.module_context.axis_context)
+    device_of = _device_of_partition(ctx.module_context.axis_context)
 
     def enqueue_shard(token, consumer_id, partition, *arrays):
-        outfeed.enqueue(ordinal_of(partition), int(consumer_id), [_leaf(a) for a in arrays])
+        device = device_of(partition)
+        outfeed.enqueue(device.id, int(consumer_id), [_leaf(a) for a in arrays],
+                        platform=device.platform)
         return (token,)
 
     ctx.module_context.add_host_callback(enqueue_shard)

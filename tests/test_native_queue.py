@@ -15,9 +15,18 @@ def device_stats():
     return hcb.queue_stats()[jax.devices()[0]]
 
 
+def hold_until_the_device_waits(timeout_s: float = 30.0) -> None:
+    """Called by a consumer on its first record: the queue then fills whatever the machine's
+    speed, so the device must wait (the test fails on waits, not on this timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while device_stats()["producers_waiting"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def test_a_full_queue_makes_the_device_wait_and_drops_nothing(transport, collector):
     def slow(arg, transforms):
-        time.sleep(0.005)
+        if not collector.values:
+            hold_until_the_device_waits()
         collector(int(arg[0]), transforms)
 
     before = device_stats()
@@ -81,7 +90,8 @@ def test_a_bad_budget_in_the_environment_is_a_clear_error():
 
 def test_a_slow_consumer_of_taps_larger_than_a_small_budget_gets_every_one(transport, collector):
     def slow(arg, transforms):
-        time.sleep(0.02)
+        if not collector.values:
+            hold_until_the_device_waits()
         collector(float(arg[0]), transforms)
 
     before = device_stats()

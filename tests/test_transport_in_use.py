@@ -47,9 +47,9 @@ class _CountingOutfeed:
     def __getattr__(self, name):
         return getattr(self._real, name)
 
-    def enqueue(self, ordinal, consumer_id, leaves):
+    def enqueue(self, ordinal, consumer_id, leaves, **kwargs):
         self.consumer_ids.append(consumer_id)
-        return self._real.enqueue(ordinal, consumer_id, leaves)
+        return self._real.enqueue(ordinal, consumer_id, leaves, **kwargs)
 
 
 @pytest.mark.timeout(120)

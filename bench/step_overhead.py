@@ -4,7 +4,8 @@ A small MLP step (64 x 256 inputs, 256 x 256 weights) is run back to back, its r
 next step, the way a training loop runs. Variants: no tap; a tap of the loss that fires every step;
 a tap of the loss and the 256 KiB gradient every step; a tap inside a cond that never fires (what
 every 'print every N steps' costs on the other steps); each for hostcallback (default and
-ordered=True) and jax.debug.callback. "added %" is the cost relative to the step without a tap.
+ordered=True, and the callback transport, which GPU and TPU run today) and jax.debug.callback.
+"added %" is the cost relative to the step without a tap.
 
 Usage: python bench/step_overhead.py [--steps N] [--rounds R]
 """
@@ -19,10 +20,19 @@ import jax.numpy as jnp
 from jax import lax
 
 import hostcallback as hcb
+from hostcallback import config
 
 
 def discard(*args):
     return None
+
+
+def on_callback_transport(tap):
+    """The same tap, traced (and so lowered) on the callback transport."""
+    def traced(loss, g):
+        with config.override(transport="callback"):
+            return tap(loss, g)
+    return traced
 
 
 def make_step(tap):
@@ -46,6 +56,10 @@ TAPS = {
     "hostcallback ordered, every step": lambda loss, g: hcb.id_tap(discard, loss, ordered=True),
     "hostcallback ordered, never fires": lambda loss, g: lax.cond(
         loss < -1, lambda: (hcb.id_tap(discard, loss, ordered=True), None)[1], lambda: None),
+    "callback transport, every step": on_callback_transport(
+        lambda loss, g: hcb.id_tap(discard, loss)),
+    "callback transport, never fires": on_callback_transport(lambda loss, g: lax.cond(
+        loss < -1, lambda: (hcb.id_tap(discard, loss), None)[1], lambda: None)),
     "debug.callback, every step": lambda loss, g: jax.debug.callback(discard, loss),
     "debug.callback, loss + grad": lambda loss, g: jax.debug.callback(discard, (loss, g)),
     "debug.callback, never fires": lambda loss, g: lax.cond(

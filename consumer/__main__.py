@@ -24,8 +24,14 @@ from consumer.collector import add_collect_arguments, collect_command
 from consumer.plotting import plot
 from consumer.series import source_of
 from consumer.sinks import StatsSink, format_table
-from consumer.stream import (StreamFormatError, TapRecord, follow_records, read_records,
-                             read_stream, stream_files)
+from consumer.stream import (
+    StreamFormatError,
+    TapRecord,
+    follow_records,
+    read_records,
+    read_stream,
+    stream_files,
+)
 from hostcallback.printing import format_metadata, format_value
 
 

@@ -32,7 +32,7 @@ def test_a_consumer_error_fails_the_test_at_teardown(tmp_path):
         """))
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                              str(test_file)], capture_output=True, text=True, timeout=240,
-                            cwd=tmp_path)
+                            cwd=tmp_path, check=False)
     assert result.returncode == 1, result.stdout
     assert "a tap consumer raised during the test" in result.stdout
     assert "consumer broke" in result.stdout

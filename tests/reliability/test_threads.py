@@ -23,7 +23,7 @@ def test_eight_dispatching_threads_and_concurrent_barriers(transport, collector)
                     tap_single(value)
                 if i % 10 == 9:
                     hcb.barrier_wait(timeout=120)
-        except Exception as error:  # reported below, with the thread's failure
+        except Exception as error:  # noqa: BLE001 (reported below, with the thread's failure)
             errors.append(error)
 
     threads = [threading.Thread(target=dispatch, args=(t,)) for t in range(8)]

@@ -68,6 +68,12 @@ def dtype_code(dtype) -> int:
             f"dtype {dtype} cannot be tapped; supported dtypes are: {names}") from None
 
 
+def as_leaf(array) -> tuple[int, list[int], np.ndarray]:
+    """One array as the C++ core's ``enqueue`` and ``call`` take it: (dtype code, shape, bytes)."""
+    array = np.asarray(array, order="C")  # unlike ascontiguousarray, keeps 0-d arrays 0-d
+    return dtype_code(array.dtype), list(array.shape), array.reshape(-1).view(np.uint8)
+
+
 @dataclasses.dataclass(frozen=True)
 class Record:
     """One decoded tap: who it is for, where it came from, and its arrays (views, not copies)."""

@@ -62,24 +62,38 @@ def test_tail_n_prints_only_the_last_records(two_devices):
                        "device: TFRT_CPU_1 name: train step: 9"]
 
 
-def test_tail_n_with_follow_prints_the_last_records_then_new_ones(tmp_path):
-    from consumer import FileSink
-
-    path = tmp_path / "grow.hcbs"
-    sink = FileSink(path)
-    for s in range(5):
-        sink.emit(TapRecord(name="grow", step=s, value=np.int32(s)))
-    sink.flush()
-    follower = subprocess.Popen([sys.executable, "-m", "consumer", "tail", "-n", "1", "-f",
-                                 str(path)], stdout=subprocess.PIPE, text=True)
+def _tail_follow(path, last: int, lines: int, then=None, then_lines: int = 0):
+    """Runs ``tail -n LAST -f PATH``: reads ``lines`` lines, calls ``then()``, reads
+    ``then_lines`` more; returns both lists."""
+    follower = subprocess.Popen([sys.executable, "-m", "consumer", "tail", "-n", str(last), "-f",
+                                 str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True)
     try:
-        first = [follower.stdout.readline().strip() for _ in range(2)]
-        sink.emit(TapRecord(name="grow", step=5, value=np.int32(5)))
-        sink.flush()
-        then = [follower.stdout.readline().strip() for _ in range(2)]
+        first = [follower.stdout.readline().strip() for _ in range(lines)]
+        if then is not None:
+            then()
+        after = [follower.stdout.readline().strip() for _ in range(then_lines)]
     finally:
         follower.terminate()
         follower.wait(10)
+    return first, after
+
+
+def _emit_step(sink, step: int) -> None:
+    sink.emit(TapRecord(name="grow", step=step, value=np.int32(step)))
+    sink.flush()
+
+
+@pytest.mark.timeout(60)
+def test_tail_n_with_follow_prints_the_last_records_then_new_ones(tmp_path):
+    from consumer import FileSink
+
+    sink = FileSink(tmp_path / "grow.hcbs")
+    for s in range(5):
+        _emit_step(sink, s)
+    try:
+        first, then = _tail_follow(tmp_path / "grow.hcbs", 1, 2, lambda: _emit_step(sink, 5), 2)
+    finally:
         sink.close()
     assert first == ["name: grow step: 4", "4"] and then == ["name: grow step: 5", "5"]
 
@@ -218,18 +232,10 @@ def test_tail_n_with_follow_counts_the_rotated_files_too(tmp_path):
     sink.close()
     os.replace(path, f"{path}.1")  # as FileSink rotates
     sink = FileSink(path)
-    sink.emit(TapRecord(name="grow", step=4, value=np.int32(4)))
-    sink.flush()
-    follower = subprocess.Popen([sys.executable, "-m", "consumer", "tail", "-n", "3", "-f",
-                                 str(path)], stdout=subprocess.PIPE, text=True)
+    _emit_step(sink, 4)
     try:
-        first = [follower.stdout.readline().strip() for _ in range(6)]
-        sink.emit(TapRecord(name="grow", step=5, value=np.int32(5)))
-        sink.flush()
-        then = [follower.stdout.readline().strip() for _ in range(2)]
+        first, then = _tail_follow(path, 3, 6, lambda: _emit_step(sink, 5), 2)
     finally:
-        follower.terminate()
-        follower.wait(10)
         sink.close()
     assert first[::2] == ["name: grow step: 2", "name: grow step: 3", "name: grow step: 4"]
     assert then == ["name: grow step: 5", "5"]
@@ -244,12 +250,5 @@ def test_tail_n_with_follow_past_a_damaged_length_prints_the_last_records(tmp_pa
     data[start + 4:start + 8] = (10 ** 6).to_bytes(4, "little")  # record 1's length
     path = tmp_path / "damaged.hcbs"
     path.write_bytes(bytes(data))
-    follower = subprocess.Popen([sys.executable, "-m", "consumer", "tail", "-n", "2", "-f",
-                                 str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                text=True)
-    try:
-        first = [follower.stdout.readline().strip() for _ in range(4)]
-    finally:
-        follower.terminate()
-        follower.wait(10)
+    first, _ = _tail_follow(path, 2, 4)
     assert first[::2] == ["name: old step: 3", "name: old step: 4"]

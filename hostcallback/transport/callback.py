@@ -26,11 +26,6 @@ _PARTITION_AVAL = core.ShapedArray((), np.uint32)
 _CONSUMER_AVAL = core.ShapedArray((), np.uint64)
 
 
-def _leaf(array: np.ndarray):
-    array = np.asarray(array, order="C")  # unlike ascontiguousarray, keeps 0-d arrays 0-d
-    return wire.dtype_code(array.dtype), list(array.shape), array.reshape(-1).view(np.uint8)
-
-
 def _device_of_partition(axis_context) -> Callable[[np.ndarray], jax.Device]:
     """Maps XLA's partition id, as the callback receives it, to the calling device. Its queue
     is named by platform and id, as the receivers name it."""
@@ -49,7 +44,7 @@ def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
     def enqueue_on_host(partition, *arrays):
         device = device_of(partition)
         if emit_device in (-1, device.id):
-            outfeed.enqueue(device.id, consumer_id, [_leaf(a) for a in arrays],
+            outfeed.enqueue(device.id, consumer_id, [wire.as_leaf(a) for a in arrays],
                             platform=device.platform)
         return ()
 
@@ -72,7 +67,7 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, r
         device = device_of(partition)
         if emit_device not in (-1, device.id):
             return tuple(np.zeros(shape, dtype) for shape, dtype in shapes)
-        answers = outfeed.call(device.id, consumer_id, [_leaf(a) for a in arrays], timeout_s,
+        answers = outfeed.call(device.id, consumer_id, [wire.as_leaf(a) for a in arrays], timeout_s,
                                platform=device.platform)
         return tuple(np.frombuffer(answer, dtype=dtype).reshape(shape)
                      for answer, (shape, dtype) in zip(answers, shapes))
@@ -106,7 +101,7 @@ def register_shard_callback(ctx) -> int:
 
     def enqueue_shard(token, consumer_id, partition, *arrays):
         device = device_of(partition)
-        outfeed.enqueue(device.id, int(consumer_id), [_leaf(a) for a in arrays],
+        outfeed.enqueue(device.id, int(consumer_id), [wire.as_leaf(a) for a in arrays],
                         platform=device.platform)
         return (token,)
 

@@ -40,6 +40,10 @@ def _leaf_to_array(path, leaf):
         wire.dtype_code(array.dtype)
     except wire.UnsupportedDtypeError as error:
         raise TypeError(f"{where}: {error}") from None
+    if array.ndim > wire.MAX_NDIM:
+        raise ValueError(
+            f"{where} has {array.ndim} dimensions; a tapped array can have at most "
+            f"{wire.MAX_NDIM} (numpy's limit on the host). Reshape it before tapping.")
     return array
 
 

@@ -26,6 +26,7 @@ import itertools
 import logging
 import threading
 import time
+import traceback
 import weakref
 from typing import Any, NamedTuple
 
@@ -105,6 +106,17 @@ def current_record() -> RecordContext | None:
     if record is None:
         return None
     return RecordContext(_current.device, record[2], record[0])
+
+
+def _without_locals(error: BaseException) -> BaseException:
+    """The error as it is kept for the barrier and the failure log: its traceback without the
+    receiver's frame and with the consumer's locals cleared, so that a kept failure does not
+    keep the arrays it was called with (and their records) alive."""
+    traceback_ = error.__traceback__
+    if traceback_ is not None:
+        error.__traceback__ = traceback_.tb_next
+        traceback.clear_frames(error.__traceback__)
+    return error
 
 
 class _Failure:
@@ -323,9 +335,12 @@ class ReceiverPool:
         count is kept per batch by the caller."""
         consumers = self._consumers.by_id
         current = _current
-        for record in batch:  # (consumer_id, device, sequence, flags, arrays)
+        for record in batch:  # (consumer_id, device, sequence, flags, arrays or why not)
             try:
                 consumer = consumers.get(record[0]) or self._consumers.get(record[0])
+                if record[4].__class__ is str:
+                    raise wire.UndecodableRecordError(
+                        f"a tap record could not be decoded: {record[4]}")
                 current.record = record
                 result = consumer.call(record[4], device)
                 current.record = None
@@ -334,7 +349,9 @@ class ReceiverPool:
                                     platform=key[0])
             except BaseException as error:  # noqa: BLE001 - nothing a consumer raises stops us
                 current.record = None
-                self._consumer_failed(key, device, record, error)
+                self._consumer_failed(key, device, record, _without_locals(error))
+        # A kept failure's traceback reaches this frame (its frames' f_back): let go of the batch.
+        batch = record = None
 
     def _consumer_failed(self, key: QueueKey, device: Any, record: tuple,
                          error: BaseException) -> None:

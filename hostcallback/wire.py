@@ -57,6 +57,14 @@ class UnsupportedDtypeError(TypeError):
     """A dtype that has no byte layout on the wire (for example the packed 4-bit types)."""
 
 
+MAX_NDIM = 64  # numpy's limit on dimensions: a tapped array must become one on the host
+
+
+class UndecodableRecordError(ValueError):
+    """A record the receiver could not turn into arrays (numpy's dimension limit, memory); only
+    its own consumer fails, and the next barrier reports it."""
+
+
 def dtype_code(dtype) -> int:
     """The wire code of a dtype, or UnsupportedDtypeError naming the dtypes that can be tapped."""
     dtype = np.dtype(dtype)

@@ -188,6 +188,12 @@ def test_unsupported_dtypes_are_refused_naming_the_supported_ones():
         jax.jit(lambda x: hcb.id_tap(lambda a, t: None, x))(jnp.zeros(4, dtype=jnp.int4))
 
 
+def test_an_array_of_more_dimensions_than_numpy_allows_is_refused_at_trace_time():
+    with pytest.raises(ValueError, match=r"\['x'\] has 65 dimensions; a tapped array can have "
+                                         r"at most 64"):
+        jax.jit(lambda x: hcb.id_tap(lambda a, t: None, {"x": x}))(jnp.zeros((1,) * 65))
+
+
 def test_prng_key_arrays_arrive_as_key_arrays(transport, collector):
     key = jax.random.key(42)
     out = jax.jit(lambda k: hcb.id_tap(collector, {"key": k, "x": 1.0}))(key)

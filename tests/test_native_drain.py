@@ -89,13 +89,49 @@ def test_decoded_arrays_are_read_only_and_cannot_be_made_writable():
         array.flags.writeable = True
 
 
-def test_small_records_of_a_batch_share_one_owner():
+def test_keeping_one_array_keeps_only_its_own_record_not_its_batch():
     device = fresh_queue()
-    for i in range(3):
-        outfeed.enqueue(device, 3, [leaf(np.int32(i))], platform=PLATFORM)
+    held = outfeed.pool_stats()["records_held"]
+    outfeed.enqueue(device, 3, [leaf(np.float32(1.5))], platform=PLATFORM)
+    for _ in range(15):  # 60 KB each: below the pool, so once they shared the batch's owner
+        outfeed.enqueue(device, 3, [leaf(np.zeros(15_000, np.float32))], platform=PLATFORM)
     records, _ = drain(device)
-    owners = {id(r[4][0].base) for r in records}
-    assert len(owners) == 1
+    assert outfeed.pool_stats()["records_held"] == held + 16
+    kept = records[0][4][0]  # what `losses.append(loss)` in a consumer does
+    del records
+    assert outfeed.pool_stats()["records_held"] == held + 1
+    assert float(kept) == 1.5
+    del kept
+    assert outfeed.pool_stats()["records_held"] == held
+
+
+def test_a_record_that_cannot_be_decoded_fails_alone_and_its_batch_and_markers_survive():
+    device = fresh_queue()
+    outfeed.enqueue(device, 3, [leaf(np.int32(1))], platform=PLATFORM)
+    too_many_dimensions = (wire.dtype_code(np.float32), [1] * (wire.MAX_NDIM + 1),
+                           np.zeros(4, np.uint8))  # numpy cannot even make it
+    outfeed.enqueue(device, 4, [too_many_dimensions], platform=PLATFORM)
+    outfeed.enqueue(device, BARRIER_MARKER_ID, [leaf(np.uint64(42))], platform=PLATFORM)
+    outfeed.enqueue(device, 3, [leaf(np.int32(2))], platform=PLATFORM)
+    records, markers = drain(device)
+    assert markers == [42]
+    assert [r[0] for r in records] == [3, 4, 3]
+    assert int(records[0][4][0]) == 1 and int(records[2][4][0]) == 2
+    assert isinstance(records[1][4], str) and "dimension" in records[1][4]
+
+
+@pytest.mark.parametrize("dims,nbytes", [([1 << 26], 4), ([-1], 4), ([3], 16), ([1 << 62, 8], 0)])
+def test_a_host_leaf_whose_bytes_do_not_match_its_shape_is_refused(dims, nbytes):
+    device = fresh_queue()
+    code = wire.dtype_code(np.float32)
+    with pytest.raises(ValueError, match="do not match its shape"):
+        outfeed.enqueue(device, 3, [(code, dims, np.zeros(nbytes, np.uint8))], platform=PLATFORM)
+    assert outfeed.stats(device, platform=PLATFORM)["records_enqueued"] == 0
+
+
+def test_a_host_leaf_of_an_unknown_dtype_code_is_refused():
+    with pytest.raises(ValueError, match="unknown wire dtype code 250"):
+        outfeed.enqueue(fresh_queue(), 3, [(250, [1], np.zeros(4, np.uint8))], platform=PLATFORM)
 
 
 def test_a_large_record_goes_back_to_the_pool_as_soon_as_its_arrays_are_dropped():

@@ -28,6 +28,7 @@
 #include <mutex>
 #include <string>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <unordered_map>
 #include <utility>
@@ -89,6 +90,8 @@ struct Record {
 std::atomic<uint64_t> g_max_queue_bytes{256ull << 20};
 // The most bytes one drained batch may hold (the last drain's max_bytes, capped at the budget).
 std::atomic<uint64_t> g_batch_bytes{0};
+// Drained records whose arrays are still alive somewhere in Python (pool_stats()).
+std::atomic<uint64_t> g_records_held{0};
 
 // Recycles large record buffers. A fresh multi-megabyte allocation is a new mapping whose pages
 // fault in on first touch, which costs more than the copy itself. Buffers of 64 KiB and up come
@@ -153,13 +156,20 @@ class BufferPool {
     std::free(data);
   }
 
+  // Copied under the lock, built into Python objects after it: making them may run the garbage
+  // collector, which may free a record's arrays and so call Put on this thread.
   nb::dict Stats() {
-    std::lock_guard<std::mutex> lock(mu_);
+    uint64_t pooled, in_use, hits, misses;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pooled = pooled_bytes_, in_use = in_use_bytes_, hits = hits_, misses = misses_;
+    }
     nb::dict d;
-    d["pooled_bytes"] = pooled_bytes_;
-    d["in_use_bytes"] = in_use_bytes_;
-    d["hits"] = hits_;
-    d["misses"] = misses_;
+    d["pooled_bytes"] = pooled;
+    d["in_use_bytes"] = in_use;
+    d["hits"] = hits;
+    d["misses"] = misses;
+    d["records_held"] = g_records_held.load(std::memory_order_relaxed);
     return d;
   }
 
@@ -242,6 +252,11 @@ std::string CheckTimeout(double timeout_s) {
   return "";
 }
 
+std::string TimeoutMessage(double timeout_s) {
+  return "hostcallback: the host did not answer this call within its timeout of " +
+         std::to_string(timeout_s) + " s";
+}
+
 // ---- the queues ---------------------------------------------------------------------------
 
 struct QueueStats {
@@ -274,6 +289,12 @@ class Responses {
     table_[key];
   }
 
+  // The call record never joined its queue after all: forget its entry.
+  void Forget(Key key) noexcept {
+    std::lock_guard<std::mutex> lock(mu_);
+    table_.erase(key);
+  }
+
   // Stores the answer if its call still waits; drops it otherwise (timed out, stopped).
   void Set(Key key, Response response) {
     {
@@ -287,7 +308,8 @@ class Responses {
   }
 
   // Why no answer came (stopped, timed out), or the empty string with *out set.
-  std::string Wait(Key key, double timeout_s, Response* out) {
+  // timeout_s is what is left of the call's timeout, the whole of which the message names.
+  std::string Wait(Key key, double timeout_s, Response* out, double call_timeout_s) {
     std::unique_lock<std::mutex> lock(mu_);
     auto entry = table_.find(key);  // map iterators stay valid while others come and go
     if (entry == table_.end()) return kStoppedMessage;
@@ -305,8 +327,7 @@ class Responses {
     if (got) return "";
     if (auto failed = failed_.find(key.first); failed != failed_.end()) return failed->second;
     if (closed_) return kStoppedMessage;
-    return "hostcallback: the host did not answer this call within its timeout of " +
-           std::to_string(timeout_s) + " s";
+    return TimeoutMessage(call_timeout_s);
   }
 
   // (calls waiting for an answer, answers not yet taken by their call) for one queue.
@@ -361,10 +382,14 @@ Responses& g_responses = *new Responses();
 // steady small traffic. Nothing is ever refused for its size or dropped.
 class DeviceQueue {
  public:
-  // Returns the record's sequence number, or -1 when the queue was closed (receiver stopped).
-  // A `call` record registers for its answer before any receiver can see it.
-  // `urgent` (a call or a barrier marker) wakes a coalescing receiver at once.
-  int64_t Push(Record record, bool expects_response, bool urgent) {
+  static constexpr int64_t kClosed = -1, kTimedOut = -2;
+
+  // Returns the record's sequence number, kClosed when the queue was closed (receiver stopped)
+  // or kTimedOut when there was no room within timeout_s (a `call`'s timeout; taps wait
+  // forever). A `call` record registers for its answer before any receiver can see it.
+  // `urgent` (a call or a barrier marker) wakes a coalescing receiver at once. On kClosed,
+  // kTimedOut or an exception the record stays the caller's.
+  int64_t Push(Record record, bool expects_response, bool urgent, double timeout_s = 0) {
     std::unique_lock<std::mutex> lock(mu_);
     const uint64_t ticket = next_ticket_++;
     auto admitted = [&] { return closed_ || (ticket <= admitted_ && Fits(record.size)); };
@@ -373,20 +398,40 @@ class DeviceQueue {
       stats_.producers_waiting += 1;
       // A receiver that is gathering a batch must not keep a full queue waiting.
       if (receivers_waiting_ > 0) not_empty_.notify_all();
-      not_full_.wait(lock, admitted);
+      bool in = true;
+      if (WaitsForever(timeout_s)) {
+        not_full_.wait(lock, admitted);
+      } else {
+        in = not_full_.wait_for(lock, std::chrono::duration<double>(timeout_s), admitted);
+      }
       stats_.producers_waiting -= 1;
       stats_.waits += 1;
       stats_.wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                             std::chrono::steady_clock::now() - start)
                             .count();
+      if (!in) {
+        GiveUp(ticket);
+        lock.unlock();
+        not_full_.notify_all();  // those behind this ticket may go in now
+        return kTimedOut;
+      }
     }
-    if (closed_) return -1;
-    admitted_ = std::max(admitted_, ticket + 1);
-    const uint64_t sequence = next_sequence_++;
-    if (expects_response) g_responses.Expect({this, sequence});
-    Put<uint64_t>(record.data + kSequenceOffset, sequence);
-    record.urgent = urgent;
-    records_.push_back(record);
+    if (closed_) return kClosed;
+    const uint64_t sequence = next_sequence_;
+    try {
+      if (expects_response) g_responses.Expect({this, sequence});
+      Put<uint64_t>(record.data + kSequenceOffset, sequence);
+      record.urgent = urgent;
+      records_.push_back(record);
+    } catch (...) {  // out of memory: nothing joined, and the line behind this ticket moves on
+      if (expects_response) g_responses.Forget({this, sequence});
+      GiveUp(ticket);
+      lock.unlock();
+      not_full_.notify_all();
+      throw;
+    }
+    next_sequence_ += 1;
+    Admit(ticket);
     stats_.records_enqueued += 1;
     stats_.bytes_enqueued += record.size;
     stats_.bytes_queued += record.size;
@@ -450,7 +495,10 @@ class DeviceQueue {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!failure_.empty()) return;  // a failed queue stays closed
-      if (closed_ && !closed) admitted_ = next_ticket_;
+      if (closed_ && !closed) {
+        admitted_ = next_ticket_;
+        given_up_.clear();
+      }
       closed_ = closed;
     }
     not_full_.notify_all();
@@ -494,6 +542,22 @@ class DeviceQueue {
            records_.size() >= batch_records_ || stats_.bytes_queued >= batch_bytes_;
   }
 
+  // Tickets are admitted in order: the next one in line is admitted_ (called under mu_).
+  void Admit(uint64_t ticket) {
+    admitted_ = std::max(admitted_, ticket + 1);
+    while (given_up_.erase(admitted_) > 0) admitted_ += 1;
+  }
+
+  // A ticket that leaves the line: admitted at once if it is next, skipped when its turn comes.
+  void GiveUp(uint64_t ticket) {
+    if (ticket < admitted_) return;
+    if (ticket == admitted_) {
+      Admit(ticket);
+    } else {
+      given_up_.insert(ticket);
+    }
+  }
+
   bool Fits(size_t size) const {
     return stats_.bytes_queued == 0 ||
            stats_.bytes_queued + size <= g_max_queue_bytes.load(std::memory_order_relaxed);
@@ -504,6 +568,7 @@ class DeviceQueue {
   std::deque<Record> records_;
   uint64_t next_sequence_ = 0;
   uint64_t next_ticket_ = 0, admitted_ = 0;
+  std::set<uint64_t> given_up_;  // tickets behind admitted_ whose producer stopped waiting
   bool closed_ = false;
   // Drains waiting (for a first record, or gathering a batch: coalescing_ of them).
   size_t receivers_waiting_ = 0, coalescing_ = 0;
@@ -548,17 +613,26 @@ DeviceQueue* NativeQueueFor(int device) {
 }
 
 // Why a record could not be enqueued, or the empty string when it was (then *sequence is set).
-// Throws bad_alloc when the record cannot be allocated.
+// timeout_s bounds the wait for room (a `call`'s timeout; 0: forever). Throws bad_alloc when
+// the record cannot be allocated; the record never leaks.
 std::string Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id,
                     const std::vector<ArrayView>& arrays, uint16_t flags = 0,
-                    uint64_t* sequence = nullptr) {
+                    uint64_t* sequence = nullptr, double timeout_s = 0) {
   Record record = EncodeRecord(consumer_id, static_cast<uint32_t>(device), arrays, flags);
   const bool expects_response = (flags & kFlagExpectsResponse) != 0;
-  const int64_t pushed = queue->Push(record, expects_response,
-                                     expects_response || consumer_id == kBarrierMarkerId);
+  int64_t pushed = DeviceQueue::kClosed;
+  try {
+    pushed = queue->Push(record, expects_response,
+                         expects_response || consumer_id == kBarrierMarkerId, timeout_s);
+  } catch (...) {
+    ReleaseRecord(record);
+    throw;
+  }
   if (pushed < 0) {
     ReleaseRecord(record);
-    return queue->ClosedReason();
+    return pushed == DeviceQueue::kTimedOut
+               ? TimeoutMessage(timeout_s) + " (its device's queue stayed full)"
+               : queue->ClosedReason();
   }
   if (sequence != nullptr) *sequence = static_cast<uint64_t>(pushed);
   return "";
@@ -567,10 +641,19 @@ std::string Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id,
 // Sends a call record and waits for the answer; fills *response or says why it could not.
 std::string CallHost(DeviceQueue* queue, int device, uint64_t consumer_id,
                      const std::vector<ArrayView>& arrays, double timeout_s, Response* response) {
+  // One timeout for the whole call: waiting for room in the queue, then for the answer.
+  const auto start = std::chrono::steady_clock::now();
   uint64_t sequence = 0;
-  std::string problem = Enqueue(queue, device, consumer_id, arrays, kFlagExpectsResponse, &sequence);
+  std::string problem =
+      Enqueue(queue, device, consumer_id, arrays, kFlagExpectsResponse, &sequence, timeout_s);
   if (!problem.empty()) return problem;
-  return g_responses.Wait({queue, sequence}, timeout_s, response);
+  double left = timeout_s;
+  if (!WaitsForever(timeout_s)) {
+    const double spent =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    left = std::max(timeout_s - spent, 1e-6);  // > 0: a spent timeout must not mean "forever"
+  }
+  return g_responses.Wait({queue, sequence}, left, response, timeout_s);
 }
 
 // ---- the FFI handlers ------------------------------------------------------------------------
@@ -723,23 +806,24 @@ nb::list DrainRaw(int device, size_t max_records, size_t max_bytes, double timeo
     nb::gil_scoped_release release;
     records = queue->Pop(max_records, max_bytes, timeout_s);
   }
-  size_t next = 0;
+  size_t unowned = 0;  // records from here on are not owned by a capsule yet
   try {
     nb::list out;
-    for (; next < records.size(); ++next) {
-      std::unique_ptr<Record> owned(new Record(records[next]));
+    for (size_t i = 0; i < records.size(); ++i) {
+      std::unique_ptr<Record> owned(new Record(records[i]));
       nb::capsule owner(owned.get(), [](void* p) noexcept {
         Record* record = static_cast<Record*>(p);
         ReleaseRecord(*record);
         delete record;
       });
       Record* record = owned.release();
+      unowned = i + 1;  // the capsule releases this one, also if what follows throws
       size_t shape[1] = {record->size};
       out.append(RecordArray(record->data, 1, shape, owner));
     }
     return out;
   } catch (...) {
-    for (; next < records.size(); ++next) ReleaseRecord(records[next]);
+    for (size_t i = unowned; i < records.size(); ++i) ReleaseRecord(records[i]);
     throw;
   }
 }
@@ -764,18 +848,40 @@ void LoadDtypes() {
   g_dtypes_loaded = true;
 }
 
-// Owns drained records until the last array viewing them is gone, then returns them.
+// Owns one drained record until the last array viewing it is gone, then returns it: a
+// consumer that keeps one array keeps its own record alive, never its batch.
 struct RecordOwner {
-  std::vector<Record> records;
-  ~RecordOwner() {
-    for (const Record& r : records) ReleaseRecord(r);
+  explicit RecordOwner(const Record& r) : record(r) {
+    g_records_held.fetch_add(1, std::memory_order_relaxed);
   }
+  ~RecordOwner() {
+    ReleaseRecord(record);
+    g_records_held.fetch_sub(1, std::memory_order_relaxed);
+  }
+  Record record;
 };
 
-nb::object CapsuleFor(std::unique_ptr<RecordOwner> owner) {
+// The record's owner as a Python object. Throws with the record released.
+nb::object CapsuleFor(const Record& r) {
+  std::unique_ptr<RecordOwner> owner(new (std::nothrow) RecordOwner(r));
+  if (!owner) {
+    ReleaseRecord(r);
+    throw std::bad_alloc();
+  }
   nb::capsule capsule(owner.get(), [](void* p) noexcept { delete static_cast<RecordOwner*>(p); });
   owner.release();
   return capsule;
+}
+
+// Elements in an array of these dimensions, or -1 when one is negative or the count overflows.
+int64_t ElementCount(const int64_t* dims, size_t ndim) {
+  int64_t count = 1;
+  for (size_t d = 0; d < ndim; ++d) {
+    if (dims[d] < 0) return -1;
+    if (dims[d] != 0 && count > INT64_MAX / dims[d]) return -1;
+    count *= dims[d];
+  }
+  return count;
 }
 
 template <typename T>
@@ -786,8 +892,8 @@ T Get(const uint8_t* at) {
 }
 
 // The arrays of one record, as read-only numpy views whose base is `owner`. The record was
-// built by EncodeRecord, so its layout is known good; counts are still checked against the
-// record's size so that a bug can never read outside it.
+// built by EncodeRecord; every count, size and offset is still checked against the record's
+// size, and each array's bytes against its shape, so that no view reaches outside it.
 nb::list ArraysOf(const Record& r, PyObject* owner) {
   const uint32_t count = Get<uint32_t>(r.data + 20);
   const size_t header = Get<uint32_t>(r.data + 32);
@@ -800,11 +906,15 @@ nb::list ArraysOf(const Record& r, PyObject* owner) {
     const uint8_t code = r.data[at];
     const uint16_t ndim = Get<uint16_t>(r.data + at + 2);
     const uint64_t byte_size = Get<uint64_t>(r.data + at + 8);
-    if (ndim > 64 || at + kDescriptorBytes + 8 * ndim > header) {
-      throw std::runtime_error("corrupt record header");
+    if (ndim > 64) {
+      throw std::runtime_error("an array of " + std::to_string(ndim) +
+                               " dimensions; numpy makes arrays of at most 64");
     }
+    if (at + kDescriptorBytes + 8 * ndim > header) throw std::runtime_error("corrupt record header");
+    int64_t shape[64];
     for (uint16_t d = 0; d < ndim; ++d) {
-      dims[d] = static_cast<npy_intp>(Get<int64_t>(r.data + at + kDescriptorBytes + 8 * d));
+      shape[d] = Get<int64_t>(r.data + at + kDescriptorBytes + 8 * d);
+      dims[d] = static_cast<npy_intp>(shape[d]);
     }
     at += kDescriptorBytes + 8 * ndim;
     offset = AlignUp(offset);
@@ -813,6 +923,10 @@ nb::list ArraysOf(const Record& r, PyObject* owner) {
     }
     PyArray_Descr* descr = g_dtypes[code];
     if (descr == nullptr) throw std::runtime_error("record with an unknown dtype code");
+    const int64_t count = ElementCount(shape, ndim);
+    if (count < 0 || static_cast<uint64_t>(count) * PyDataType_ELSIZE(descr) != byte_size) {
+      throw std::runtime_error("corrupt record: an array's shape does not match its bytes");
+    }
     Py_INCREF(descr);  // stolen by PyArray_NewFromDescr
     PyObject* array = PyArray_NewFromDescr(&PyArray_Type, descr, ndim, dims, nullptr,
                                            r.data + offset, NPY_ARRAY_C_CONTIGUOUS, nullptr);
@@ -830,10 +944,11 @@ nb::list ArraysOf(const Record& r, PyObject* owner) {
 }
 
 // Waits like drain_raw(), then decodes in C++: returns (records, markers) where each record is
-// (consumer_id, device, sequence, flags, [arrays]) in queue order and markers holds the values
-// of the barrier markers of this batch (they never reach Python as records). Records under
-// 64 KiB share one owner per batch; larger ones get an owner each, so a large record returns to
-// the pool as soon as its arrays are dropped. Exception-safe like drain_raw().
+// (consumer_id, device, sequence, flags, arrays) in queue order and markers holds the values of
+// the barrier markers of this batch (they never reach Python as records). arrays is a list of
+// read-only views of the record, owned by one capsule per record; or, for a record that cannot
+// be decoded, a str saying why, so that only its own consumer fails. The markers are taken out
+// before anything can fail, and every record is owned or returned to the pool on every path.
 nb::tuple Drain(int device, size_t max_records, size_t max_bytes, double timeout_s,
                 const std::string& platform, double coalesce_s) {
   if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) throw nb::value_error(bad.c_str());
@@ -849,70 +964,69 @@ nb::tuple Drain(int device, size_t max_records, size_t max_bytes, double timeout
     nb::gil_scoped_release release;
     records = queue->Pop(max_records, max_bytes, timeout_s, coalesce_s);
   }
-  // Hand every record to an owner (or back to the pool) before any Python object is made.
-  std::vector<uint64_t> markers;
-  std::unique_ptr<RecordOwner> small(new (std::nothrow) RecordOwner());
-  std::vector<std::unique_ptr<RecordOwner>> large;
-  std::vector<std::pair<Record, size_t>> order;  // record, owner index (0: small, i+1: large[i])
+  // Barrier markers first, before any Python object is made.
+  std::vector<uint64_t> marker_values;
   try {
-    if (!small) throw std::bad_alloc();
-    small->records.reserve(records.size());
-    order.reserve(records.size());
-    large.reserve(records.size());
-    markers.reserve(records.size());
+    marker_values.reserve(records.size());
   } catch (...) {
     for (const Record& r : records) ReleaseRecord(r);
     throw;
   }
-  size_t next = 0;
-  try {
-    for (; next < records.size(); ++next) {
-      const Record& r = records[next];
-      if (Get<uint64_t>(r.data + 8) == kBarrierMarkerId) {
-        const size_t header = Get<uint32_t>(r.data + 32);
-        const uint64_t value = header + 8 <= r.size ? Get<uint64_t>(r.data + header) : 0;
-        ReleaseRecord(r);
-        markers.push_back(value);  // reserved: cannot throw
-        continue;
-      }
-      if (r.capacity >= BufferPool::kMinPooledBytes) {
-        std::unique_ptr<RecordOwner> own(new RecordOwner());
-        own->records.push_back(r);  // owned from here on
-        large.push_back(std::move(own));
-        order.emplace_back(r, large.size());
-      } else {
-        small->records.push_back(r);
-        order.emplace_back(r, 0);
-      }
+  size_t kept = 0;
+  for (const Record& r : records) {
+    if (Get<uint64_t>(r.data + 8) != kBarrierMarkerId) {
+      records[kept++] = r;
+      continue;
     }
+    const size_t header = Get<uint32_t>(r.data + 32);
+    marker_values.push_back(header + 8 <= r.size ? Get<uint64_t>(r.data + header) : 0);
+    ReleaseRecord(r);
+  }
+  records.resize(kept);
+  size_t unowned = 0;  // records from here on are neither owned by a capsule nor released
+  try {
+    nb::list markers;
+    for (uint64_t m : marker_values) markers.append(m);
+    nb::list out;
+    for (size_t i = 0; i < records.size(); ++i) {
+      const Record r = records[i];
+      unowned = i + 1;
+      nb::object owner = CapsuleFor(r);  // owns r from here, or has released it and thrown
+      nb::object arrays;
+      try {
+        arrays = ArraysOf(r, owner.ptr());
+      } catch (const std::exception& e) {  // nb::python_error too
+        arrays = nb::str(e.what());
+      }
+      out.append(nb::make_tuple(Get<uint64_t>(r.data + 8), Get<uint32_t>(r.data + 16),
+                                Get<uint64_t>(r.data + kSequenceOffset),
+                                Get<uint16_t>(r.data + 6), std::move(arrays)));
+    }
+    return nb::make_tuple(out, markers);
   } catch (...) {
-    // Only making a large record's owner can throw, before it owns the record: records before
-    // `next` are owned (or released), this one and the rest go back now.
-    for (size_t i = next; i < records.size(); ++i) ReleaseRecord(records[i]);
+    for (size_t i = unowned; i < records.size(); ++i) ReleaseRecord(records[i]);
     throw;
   }
-  std::vector<nb::object> owners;
-  owners.reserve(large.size() + 1);
-  owners.push_back(small->records.empty() ? nb::none() : CapsuleFor(std::move(small)));
-  for (auto& own : large) owners.push_back(CapsuleFor(std::move(own)));
-  nb::list out;
-  for (const auto& [r, index] : order) {
-    nb::list arrays = ArraysOf(r, owners[index].ptr());
-    out.append(nb::make_tuple(Get<uint64_t>(r.data + 8), Get<uint32_t>(r.data + 16),
-                              Get<uint64_t>(r.data + kSequenceOffset), Get<uint16_t>(r.data + 6),
-                              std::move(arrays)));
-  }
-  nb::list marker_list;
-  for (uint64_t m : markers) marker_list.append(m);
-  return nb::make_tuple(out, marker_list);
 }
 
 // The callback transport's way in: the same record, built from host arrays.
 using HostLeaves = std::vector<std::tuple<int, std::vector<int64_t>, ReadOnlyBytes>>;
 
+// Each leaf's dtype must be known and its bytes must be exactly what its shape holds: a record
+// is decoded by its shapes, so a mismatch would let a view reach outside it.
 std::vector<ArrayView> ViewsOf(const HostLeaves& leaves) {
+  LoadDtypes();
   std::vector<ArrayView> arrays;
   for (const auto& [dtype, dims, bytes] : leaves) {
+    if (dtype < 0 || dtype > 255 || g_dtypes[dtype] == nullptr) {
+      throw nb::value_error(("unknown wire dtype code " + std::to_string(dtype)).c_str());
+    }
+    if (dims.size() > UINT16_MAX) throw nb::value_error("an array of more than 65535 dimensions");
+    const int64_t count = ElementCount(dims.data(), dims.size());
+    if (count < 0 || static_cast<uint64_t>(count) * PyDataType_ELSIZE(g_dtypes[dtype]) !=
+                         bytes.size()) {
+      throw nb::value_error("an array's bytes do not match its shape and dtype");
+    }
     arrays.push_back(ArrayView{static_cast<uint8_t>(dtype), dims.data(), dims.size(),
                                bytes.data(), bytes.size()});
   }

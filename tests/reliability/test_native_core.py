@@ -70,7 +70,9 @@ def test_padding_in_a_recycled_buffer_is_zero():
     first = drain_one(device)
     assert first.size == len(wire.encode_record(1, device, 0, new))  # the same pooled size
     del first  # back to the pool
+    hits = outfeed.pool_stats()["hits"]
     outfeed.enqueue(device, 2, [leaf(a) for a in new], platform=PLATFORM)
+    assert outfeed.pool_stats()["hits"] > hits  # the recycled buffer, not a fresh one
     raw = drain_one(device)
     assert bytes(raw) == wire.encode_record(2, device, 1, new)
 
@@ -227,6 +229,64 @@ def test_a_record_larger_than_the_budget_is_not_overtaken_by_small_ones():
         large.join(30)
         small.join(30)
     assert order == [1, 2, 3]
+
+
+@pytest.mark.timeout(60)
+def test_a_call_times_out_while_its_queue_stays_full_and_the_line_moves_on():
+    device = fresh_queue()
+    stats = lambda: outfeed.stats(device, platform=PLATFORM)
+    errors = []
+
+    def call():
+        try:
+            outfeed.call(device, 5, [leaf(np.int32(1))], 0.5, platform=PLATFORM)
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    with config.override(max_queue_bytes=64 << 10):
+        outfeed.enqueue(device, 1, [leaf(np.zeros(80 << 10, np.uint8))], platform=PLATFORM)  # full
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        poll(lambda: stats()["producers_waiting"] == 1)
+        behind = threading.Thread(target=outfeed.enqueue, daemon=True, args=(
+            device, 1, [leaf(np.full(1000, 7, np.uint8))]), kwargs={"platform": PLATFORM})
+        behind.start()  # waits for room, behind the call in line
+        poll(lambda: stats()["producers_waiting"] == 2)
+        caller.join(30)
+        assert len(errors) == 1 and "within its timeout of 0.5" in errors[0]
+        assert "queue stayed full" in errors[0]
+        outfeed.drain_raw(device, 1, 1 << 30, 5.0, platform=PLATFORM)  # room again
+        (raw,) = outfeed.drain_raw(device, 10, 1 << 30, 5.0, platform=PLATFORM)
+        behind.join(30)
+    assert wire.decode_record(raw).arrays[0][0] == 7  # not stuck behind the call that gave up
+    assert stats()["calls_waiting"] == 0 and stats()["producers_waiting"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_pool_stats_does_not_deadlock_when_the_garbage_collector_frees_a_record():
+    from conftest import run_python
+
+    result = run_python("""
+        import gc
+        import numpy as np
+        from hostcallback import wire
+        from hostcallback._native import outfeed
+
+        outfeed.enqueue(0, 3, [wire.as_leaf(np.zeros(1 << 16, np.float32))], platform="gc")
+        (records, _) = outfeed.drain(0, 10, 1 << 30, 5.0, platform="gc")
+        class Cycle: pass
+        cycle = Cycle()
+        cycle.itself, cycle.array = cycle, records[0][4][0]  # a pooled record's only view
+        del records, cycle
+        gc.disable(); gc.set_threshold(1)
+        junk = [dict() for _ in range(1000)]; del junk  # the next allocation collects
+        gc.enable()
+        outfeed.pool_stats()  # the collector may free the record in here: it once hung
+        gc.collect()
+        print(outfeed.pool_stats()["records_held"])
+        """, devices=1, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["0"]
 
 
 def test_peak_bytes_queued_can_be_reset(transport, collector):

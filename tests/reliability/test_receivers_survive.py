@@ -3,6 +3,8 @@ for it forever; failures are logged without flooding; a failed call is reported 
 
 import logging
 import threading
+import time
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +12,7 @@ import pytest
 from conftest import run_python
 
 import hostcallback as hcb
+from hostcallback import wire
 from hostcallback._native import outfeed
 
 
@@ -54,6 +57,45 @@ def test_an_error_out_of_drain_is_reported_and_the_receiver_goes_on(
     assert isinstance(info.value.__cause__, MemoryError)
     assert collector.values == [5]
     hcb.barrier_wait(timeout=60)  # reported once
+
+
+@pytest.mark.timeout(120)
+def test_a_record_the_core_could_not_decode_fails_only_its_own_consumer(
+        transport, collector, monkeypatch):
+    real_drain = outfeed.drain
+
+    def drain_failing_to_decode_ones(*args, **kwargs):  # as drain() says why, in place of arrays
+        records, markers = real_drain(*args, **kwargs)
+        return [(*r[:4], "an array of 65 dimensions") if int(r[4][0]) == 1 else r
+                for r in records], markers
+
+    monkeypatch.setattr(outfeed, "drain", drain_failing_to_decode_ones)
+    hcb.barrier_wait(timeout=60)  # every receiver's drain() in progress has returned
+    tap = jax.jit(lambda x: hcb.id_tap(collector, x))
+    tap(1)
+    tap(2)
+    with pytest.raises(hcb.CallbackException) as info:
+        hcb.barrier_wait(timeout=60)
+    assert isinstance(info.value.__cause__, wire.UndecodableRecordError)
+    assert "65 dimensions" in str(info.value.__cause__)
+    assert collector.values == [2]
+
+
+@pytest.mark.timeout(120)
+def test_a_kept_consumer_failure_does_not_keep_its_records_alive(transport):
+    def fails(arg, transforms):
+        raise ValueError("no")
+
+    held = outfeed.pool_stats()["records_held"]
+    jax.jit(lambda x: hcb.id_tap(fails, x))(jnp.zeros(1 << 16, jnp.float32))
+    with pytest.raises(hcb.CallbackException) as info:
+        hcb.barrier_wait(timeout=60)
+    deadline = time.monotonic() + 10
+    while outfeed.pool_stats()["records_held"] > held:  # the receiver lets go of its batch
+        assert time.monotonic() < deadline, "a failure kept its 256 KiB record alive"
+        time.sleep(0.01)
+    where = "".join(traceback.format_tb(info.value.__cause__.__traceback__))
+    assert "in fails" in where and 'raise ValueError("no")' in where  # still says where
 
 
 def test_a_keyboard_interrupt_in_a_consumer_reaches_the_main_thread():

@@ -125,7 +125,8 @@ class SinkTap:
         if context is None:
             device_name, device_id, sequence = "", -1, -1
         else:
-            device_name, device_id = self._device_fields(context.device)
+            device_name, device_id = (self._devices.get(context.device)
+                                      or self._device_fields(context.device))
             sequence = context.sequence
         now = time.time()
         data = record = None  # each built once, for the first sink that wants it
@@ -151,9 +152,7 @@ class SinkTap:
 
     def _device_fields(self, device) -> tuple[str, int]:
         """str(device) and its id, once per device (str of a jax Device is not free)."""
-        fields = self._devices.get(device)
-        if fields is None:
-            fields = self._devices[device] = (str(device), getattr(device, "id", -1))
+        fields = self._devices[device] = (str(device), getattr(device, "id", -1))
         return fields
 
 

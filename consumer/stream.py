@@ -228,13 +228,18 @@ def _pack_value(value: Any, parts: list[bytes], packer: msgpack.Packer) -> None:
         start = len(parts)
         parts.append(packer.pack_map_header(len(value)))
         for key, item in value.items():
+            if type(item) is np.ndarray:  # the heads cached are of str keys and small arrays
+                head = _ARRAY_HEADS.get((key, item.dtype, item.shape))
+                if head is not None:
+                    parts.append(head)
+                    parts.append(item.tobytes())
+                    continue
             if type(key) is not str:  # encode_value's form for other keys
                 del parts[start:]
                 parts.append(packer.pack(encode_value(value)))
                 return
             if type(item) is np.ndarray and item.nbytes <= _SMALL_ARRAY_BYTES:
-                parts.append(_ARRAY_HEADS.get((key, item.dtype, item.shape))
-                             or _array_head(key, item))
+                parts.append(_array_head(key, item))
                 parts.append(item.tobytes())
             else:
                 parts.append(packer.pack(key))
@@ -272,7 +277,7 @@ class RecordFramer:
         (self._head, self._before_step, self._before_device, self._before_device_id,
          self._before_sequence, self._before_time, self._before_transforms,
          self._tail) = constants
-        self._devices: dict[tuple[str, int], bytes] = {}
+        self._devices: dict[int, tuple[str, bytes]] = {}  # device id -> (name, packed)
         self._transforms: tuple[Any, bytes] = (object(), b"")  # the last seen, packed
 
     def frame(self, value: Any, step: int | None, device: str, device_id: int, sequence: int,
@@ -280,17 +285,17 @@ class RecordFramer:
         packer = _packer()
         parts = [self._head]
         _pack_value(value, parts, packer)
-        device_part = self._devices.get((device, device_id))
-        if device_part is None:
-            device_part = self._devices[(device, device_id)] = (
+        name_and_part = self._devices.get(device_id)
+        if name_and_part is None or name_and_part[0] != device:
+            name_and_part = self._devices[device_id] = (device, (
                 self._before_device + packer.pack(device) + self._before_device_id
-                + packer.pack(device_id) + self._before_sequence)
+                + packer.pack(device_id) + self._before_sequence))
         last, packed_transforms = self._transforms
         if transforms is not last:  # a consumer's transforms are one tuple, passed every time
             packed_transforms = packer.pack([encode_value(t) for t in transforms]) + self._tail
             self._transforms = (transforms, packed_transforms)
         pack = packer.pack
-        parts += (self._before_step, pack(step), device_part, pack(sequence), self._before_time,
+        parts += (self._before_step, pack(step), name_and_part[1], pack(sequence), self._before_time,
                   pack(time), self._before_transforms, packed_transforms)
         return frame(b"".join(parts))
 

@@ -284,23 +284,26 @@ def scalar_series(record: TapRecord) -> dict[str, float]:
     """The numbers a record contributes to per-name statistics: one per numeric leaf (its mean),
     named ``name`` or ``name.key`` for dict entries; the ``step`` entry is not a series."""
     out: dict[str, float] = {}
-
-    def visit(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                if key != "step":
-                    visit(f"{prefix}.{key}", item)
-        elif isinstance(value, (list, tuple)):
-            for index, item in enumerate(value):
-                visit(f"{prefix}[{index}]", item)
-        else:
-            array = np.asarray(value)
-            if array.size and _is_series_dtype(array.dtype):
-                out[prefix] = float(array.reshape(-1)[0]) if array.size == 1 else \
-                    float(array.astype(np.float64).mean())
-
-    visit(record.name, record.value)
+    _add_series(record.name, record.value, out)
     return out
+
+
+def _add_series(prefix: str, value: Any, out: dict[str, float]) -> None:
+    if type(value) is np.ndarray and value.ndim == 0:  # what taps deliver: one number
+        if _is_series_dtype(value.dtype):
+            out[prefix] = float(value)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if key != "step":
+                _add_series(f"{prefix}.{key}", item, out)
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _add_series(f"{prefix}[{index}]", item, out)
+    else:
+        array = np.asarray(value)
+        if array.size and _is_series_dtype(array.dtype):
+            out[prefix] = float(array.reshape(-1)[0]) if array.size == 1 else \
+                float(array.astype(np.float64).mean())
 
 
 _SERIES_DTYPES: dict[np.dtype, bool] = {}  # np.issubdtype costs microseconds a call
@@ -326,7 +329,10 @@ class StatsSink(Sink):
     def emit(self, record: TapRecord) -> None:
         with self._lock:
             for key, value in scalar_series(record).items():
-                self._stats.setdefault(key, RunningStats()).add(value)
+                stats = self._stats.get(key)
+                if stats is None:
+                    stats = self._stats[key] = RunningStats()
+                stats.add(value)
 
     def summary(self) -> dict[str, dict[str, float]]:
         with self._lock:

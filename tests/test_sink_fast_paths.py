@@ -47,6 +47,20 @@ def test_series_come_from_real_numbers_only():
     assert scalar_series(record) == {"t.f": 2.0, "t.b": 1.5, "t.v": 1.5}
 
 
+def test_zero_d_arrays_make_series_as_numpy_scalars_do():
+    scalars = {"step": np.int32(1), "f": np.float32(2), "b": ml_dtypes.bfloat16(1.5),
+               "i": np.int64(-3), "c": np.complex64(1j), "t": np.bool_(True),
+               "nested": {"u": np.uint8(7)}, "pair": (np.float16(0.5), np.float64(4))}
+    arrays = {key: np.asarray(value) if not isinstance(value, (dict, tuple)) else value
+              for key, value in scalars.items()}
+    arrays["nested"] = {"u": np.array(7, np.uint8)}
+    arrays["pair"] = (np.array(0.5, np.float16), np.array(4.0))
+    expected = {"t.f": 2.0, "t.b": 1.5, "t.i": -3.0, "t.nested.u": 7.0, "t.pair[0]": 0.5,
+                "t.pair[1]": 4.0}
+    assert scalar_series(TapRecord(name="t", value=scalars)) == expected
+    assert scalar_series(TapRecord(name="t", value=arrays)) == expected
+
+
 # ---- RecordFramer: the frames SinkTap hands to FileSink and SocketSink -------------------------
 
 _DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,

@@ -1,6 +1,7 @@
 """The sinks' per-record fast paths give exactly what the general code gave."""
 
 import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 
 import hostcallback as hcb
-from consumer import FileSink, stream, tap_to
+from consumer import FileSink, SocketSink, stream, tap_to
+from consumer.collector import CollectorThread
 from consumer.sinks import FrameSink, Sink, SinkTap, scalar_series
 from consumer.stream import RecordFramer, TapRecord, frame_item, read_records
 
@@ -159,13 +161,25 @@ def _records_bytes(path):
     return data[stream.FRAME.size + length:]
 
 
+def _record_frames(path):
+    """The record frames of a stream file, as bytes, leaving out its headers."""
+    data, frames, position = path.read_bytes(), [], 0
+    while position < len(data):
+        _, length, _ = stream.FRAME.unpack_from(data, position)
+        end = position + stream.FRAME.size + length
+        if "format" not in msgpack.unpackb(data[position + stream.FRAME.size:end]):
+            frames.append(data[position:end])
+        position = end
+    return frames
+
+
 @pytest.mark.timeout(120)
 def test_a_file_sink_fed_frames_writes_what_the_general_path_writes(tmp_path):
     fast, general = FileSink(tmp_path / "fast.hcbs"), _GeneralFileSink(tmp_path / "general.hcbs")
     sinks = [fast, general]
 
     def body(i, x):
-        value = {"step": i, "loss": x, "grid": jnp.full((2, 3), x, jnp.bfloat16),
+        value = {"step": 3 * i + 1, "loss": x,  # a step that is not the sequence number "grid": jnp.full((2, 3), x, jnp.bfloat16),
                  "flag": x > 2, "count": jnp.int8(i)}
         return tap_to(sinks, value, name="train", lr=0.01)["loss"] + 1.0
 
@@ -176,6 +190,23 @@ def test_a_file_sink_fed_frames_writes_what_the_general_path_writes(tmp_path):
     general.close()
     assert len(list(read_records(tmp_path / "fast.hcbs"))) == 21
     assert _records_bytes(tmp_path / "fast.hcbs") == _records_bytes(tmp_path / "general.hcbs")
+
+
+@pytest.mark.timeout(120)
+def test_a_socket_sink_fed_frames_sends_what_the_general_path_writes(tmp_path):
+    server = CollectorThread(tmp_path / "collected").start()
+    try:
+        sink = SocketSink("127.0.0.1", server.port, run="fast")
+        general = _GeneralFileSink(tmp_path / "general.hcbs")
+        jax.jit(lambda x: jax.lax.fori_loop(0, 10, lambda i, c: tap_to(
+            [sink, general], {"step": 3 * i + 1, "x": c}, name="t")["x"] * 2.0, x))(jnp.ones(3))
+        hcb.barrier_wait()
+        assert sink.close() == 0
+        general.close()
+        frames = _record_frames(Path(server.collector.path_for("fast")))
+        assert len(frames) == 10 and frames == _record_frames(tmp_path / "general.hcbs")
+    finally:
+        server.stop()
 
 
 def test_sink_tap_builds_frames_for_frame_sinks_and_records_for_the_others():

@@ -11,6 +11,7 @@ from consumer.progress import (
 )
 from consumer.sinks import (
                             FileSink,
+                            FrameSink,
                             LoggingSink,
                             Sink,
                             SinkTap,
@@ -24,6 +25,7 @@ from consumer.tensorboard import TensorBoardSink
 
 __all__ = [
                             "FileSink",
+                            "FrameSink",
                             "LoggingSink",
                             "ProgressSink",
                             "Sink",

@@ -6,6 +6,7 @@ the last ones watch the receivers deliver real taps.
 
 import itertools
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -168,11 +169,27 @@ def test_a_bad_coalescing_window_is_refused(coalesce_s):
         outfeed.drain(fresh_queue(), 1, 1, 0.001, platform=PLATFORM, coalesce_s=coalesce_s)
 
 
-def test_drain_waits_for_more_records_only_within_its_coalescing_window():
+def test_a_lone_record_comes_out_after_the_coalescing_window_not_never():
     device = fresh_queue()
     outfeed.enqueue(device, 3, [leaf(np.int32(1))], platform=PLATFORM)
     records, _ = outfeed.drain(device, 100, 1 << 20, 5.0, platform=PLATFORM, coalesce_s=0.001)
-    assert len(records) == 1  # a lone record comes out alone after the window, not never
+    assert len(records) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_waiting_drain_gathers_the_records_that_follow_within_its_window():
+    device = fresh_queue()
+    got = []
+    waiting = threading.Thread(target=lambda: got.append(outfeed.drain(
+        device, 100, 1 << 20, 10.0, platform=PLATFORM, coalesce_s=1.0)))
+    waiting.start()
+    time.sleep(0.2)  # the drain waits on the empty queue
+    outfeed.enqueue(device, 3, [leaf(np.int32(1))], platform=PLATFORM)  # wakes it: window opens
+    time.sleep(0.1)
+    outfeed.enqueue(device, 3, [leaf(np.int32(2))], platform=PLATFORM)
+    waiting.join(30)
+    ((records, _),) = got
+    assert [int(r[4][0]) for r in records] == [1, 2]  # one batch, not two wake-ups
 
 
 @pytest.mark.timeout(60)

@@ -485,7 +485,13 @@ class ReceiverPool:
 
     def _send_markers(self, marker: int) -> None:
         """A single-device marker (value ``marker``) to each device, and per platform with
-        several devices one computation over them all that sends ``marker + 1`` from each."""
+        several devices one computation over them all that sends ``marker + 1`` from each.
+        The markers run on devices and meshes of their own: the user's mesh (``jax.set_mesh``)
+        is set aside while they are sent."""
+        with jax.set_mesh(None):
+            self._send_markers_outside_user_mesh(marker)
+
+    def _send_markers_outside_user_mesh(self, marker: int) -> None:
         from hostcallback import primitive, transport
 
         # The markers travel by the transport in use now, as the taps they wait for do.

@@ -217,3 +217,16 @@ def test_a_tap_in_a_partly_manual_shard_map_is_a_clear_error_at_trace_time(trans
         with pytest.raises(NotImplementedError, match="every mesh axis to be manual"):
             step.lower(x)
     assert collector.calls == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("timeout", [None, 60.0], ids=["no timeout", "timeout"])
+def test_barrier_wait_works_inside_set_mesh(transport, collector, axis_type, timeout):
+    mesh = _mesh(axis_type)
+    with jax.set_mesh(mesh):
+        x = jax.device_put(VALUE, NamedSharding(mesh, P("d")))
+        jax.jit(lambda x: hcb.id_tap(collector, x * 2))(x)
+        hcb.barrier_wait(timeout=timeout)  # its markers run outside the user's mesh
+        assert len(collector.values) == 1
+        np.testing.assert_array_equal(collector.values[0], VALUE * 2)

@@ -78,11 +78,19 @@ def lower_on_one_device(ctx, args, *, device_index, **params):
     emit_device = local_ordinal(devices[device_index])
 
     def tap_on_every_device(*xs):
-        outs = outside_call_p.bind(*xs, device_index=device_index, emit_device=emit_device,
-                                   **params)
         if params["result_avals"] is None:
-            return outs
-        return [_share_from_caller(out, axis) for out in outs]
+            return outside_call_p.bind(*xs, device_index=device_index, emit_device=emit_device,
+                                       **params)
+        # A call: the caller's results reach every device through a sum, which waits for all
+        # of them. So the caller never fails alone (the others would wait in the sum forever):
+        # it returns zeros and a failure flag, and every device fails together after the sum.
+        call_params = dict(params, result_avals=(*params["result_avals"], _FAILURE_FLAG))
+        *outs, failed = outside_call_p.bind(*xs, device_index=device_index,
+                                            emit_device=emit_device, **call_params)
+        shared = [_share_from_caller(out, axis) for out in outs]
+        return shared_call_check_p.bind(jax.lax.psum(failed, axis), *shared,
+                                        consumer_id=params["consumer_id"],
+                                        transport=params["transport"])
 
     replicated = jax.sharding.PartitionSpec()
     region = jax.shard_map(tap_on_every_device, mesh=mesh, in_specs=replicated,
@@ -95,6 +103,35 @@ def lower_on_one_device(ctx, args, *, device_index, **params):
     if region_ctx.tokens_out is not None:
         ctx.set_tokens_out(region_ctx.tokens_out)
     return outs
+
+
+_FAILURE_FLAG = core.ShapedArray((), np.uint32)  # the last result of a shared call (native.py)
+
+# After a shared call: fails every device with the call's reason if the summed flag says it
+# failed, else passes the shared results through (transport/native.py, transport/callback.py).
+shared_call_check_p = core.Primitive("hostcallback_shared_call_check")
+shared_call_check_p.multiple_results = True
+shared_call_check_p.def_abstract_eval(
+    lambda failed, *values, **params: [core.ShapedArray(v.shape, v.dtype) for v in values])
+
+
+def _check_lowering(ctx, failed, *values, consumer_id, transport, platform):
+    from hostcallback.transport import emitter_for
+
+    op_sharding = None
+    if isinstance(ctx.module_context.axis_context, sharding_impls.SPMDAxisContext):
+        op_sharding = manual_sharding([v.ndim for v in ctx.avals_out])
+    return emitter_for(transport, platform).check(ctx, failed, list(values),
+                                                  consumer_id=consumer_id,
+                                                  op_sharding=op_sharding)
+
+
+for _platform in ("cpu", "cuda", "rocm", "tpu"):
+    mlir.register_lowering(
+        shared_call_check_p,
+        lambda ctx, *args, _platform=_platform, **params: _check_lowering(
+            ctx, *args, platform=_platform, **params),
+        platform=_platform)
 
 
 @contextlib.contextmanager

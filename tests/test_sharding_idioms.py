@@ -230,3 +230,34 @@ def test_barrier_wait_works_inside_set_mesh(transport, collector, axis_type, tim
         hcb.barrier_wait(timeout=timeout)  # its markers run outside the user's mesh
         assert len(collector.values) == 1
         np.testing.assert_array_equal(collector.values[0], VALUE * 2)
+
+
+FAILING_SHARDED_CALL = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import hostcallback as hcb
+
+mesh = jax.make_mesh((4,), ("d",))
+x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("d")))
+def bad(v):
+    raise ValueError("boom")
+try:
+    jax.jit(lambda x: hcb.call(bad, x, result_shape=x) + 1)(x).block_until_ready()
+    print("no error")
+except Exception as error:
+    print("failed:", "hostcallback call consumer bad failed: ValueError: boom" in str(error))
+print("next:", jax.jit(lambda x: hcb.call(lambda v: v * 2, x, result_shape=x))(x).tolist())
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_failing_call_in_a_sharded_jit_fails_the_computation_clearly_not_the_process(transport):
+    from conftest import run_python
+
+    # The caller once failed alone while the other devices waited for its results: XLA aborted
+    # the process after 40 s. Now every device fails together, with the reason.
+    result = run_python(FAILING_SHARDED_CALL, env={"HOSTCALLBACK_TRANSPORT": transport},
+                        timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-2:] == [
+        "failed: True", "next: [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]"]

@@ -709,51 +709,111 @@ ffi::Error TapImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_de
   });
 }
 
+// Why a shared call failed, by consumer id: written by the calling device, read by every device
+// of the computation in HostcallbackCheck once the failure flag has reached them all.
+struct CallFailures {
+  std::mutex mu;
+  std::map<uint64_t, std::string> by_consumer;
+};
+CallFailures& g_call_failures = *new CallFailures();
+
+// Zeros in every output but the token.
+ffi::Error ZeroOutputs(ffi::RemainingRets& rets) {
+  for (size_t i = 0; i < rets.size(); ++i) {
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
+    if (!ret.has_value()) return ret.error();
+    ffi::AnyBuffer out = *ret.value();
+    if (out.element_type() != ffi::DataType::TOKEN && out.size_bytes() > 0) {
+      std::memset(out.untyped_data(), 0, out.size_bytes());
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // A `call`: send the arrays, wait for the host's results, copy them into the outputs.
-// emit_device >= 0: only that device calls; the others return zeros (the lowering then takes the
-// calling device's results to every device).
+// emit_device != -1 (a call shared over the devices of a sharded computation): only that device
+// calls and the others return zeros; the last output is a uint32 failure flag. The calling
+// device must not fail on its own, since the others wait for it in the collective that shares
+// its results: it returns zeros with the flag set and leaves the reason for HostcallbackCheck,
+// which fails every device together after the collective.
 ffi::Error CallImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_device,
                     double timeout_s, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   return Guarded([&]() -> ffi::Error {
-    if (emit_device != -1 && emit_device != device_ordinal) {
-      for (size_t i = 0; i < rets.size(); ++i) {
-        ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
-        if (!ret.has_value()) return ret.error();
-        ffi::AnyBuffer out = *ret.value();
-        if (out.element_type() != ffi::DataType::TOKEN && out.size_bytes() > 0) {
-          std::memset(out.untyped_data(), 0, out.size_bytes());
-        }
-      }
-      return ffi::Error::Success();
-    }
-    if (device_ordinal < 0) {
-      return ffi::Error::Internal("hostcallback: negative device ordinal " +
-                                  std::to_string(device_ordinal));
-    }
-    if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) {
-      return ffi::Error::InvalidArgument("hostcallback: " + bad);
-    }
-    std::vector<ArrayView> arrays;
-    if (ffi::Error error = CollectArrays(args, &arrays); error.failure()) return error;
+    const bool shared = emit_device != -1;
+    if (shared && emit_device != device_ordinal) return ZeroOutputs(rets);
+    std::string problem;
     Response response;
-    std::string problem = CallHost(NativeQueueFor(device_ordinal), device_ordinal, consumer_id,
-                                   arrays, timeout_s, &response);
-    if (problem.empty()) problem = response.error;
-    if (!problem.empty()) return ffi::Error::Internal(problem);
+    if (device_ordinal < 0) {
+      problem = "hostcallback: negative device ordinal " + std::to_string(device_ordinal);
+    } else if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) {
+      problem = "hostcallback: " + bad;
+    } else {
+      std::vector<ArrayView> arrays;
+      if (ffi::Error error = CollectArrays(args, &arrays); error.failure()) return error;
+      problem = CallHost(NativeQueueFor(device_ordinal), device_ordinal, consumer_id, arrays,
+                         timeout_s, &response);
+      if (problem.empty()) problem = response.error;
+    }
+    const size_t results = rets.size() - (shared ? 1 : 0);  // the flag comes last
     size_t next = 0;
-    for (size_t i = 0; i < rets.size(); ++i) {
+    for (size_t i = 0; problem.empty() && i < results; ++i) {
       ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
       if (!ret.has_value()) return ret.error();
       ffi::AnyBuffer out = *ret.value();
       if (out.element_type() == ffi::DataType::TOKEN) continue;
       if (next >= response.results.size() || response.results[next].size() != out.size_bytes()) {
-        return ffi::Error::Internal("hostcallback: the host's answer does not match the call's "
-                                    "result shapes");
+        problem = "hostcallback: the host's answer does not match the call's result shapes";
+        break;
       }
       if (out.size_bytes() > 0) {
         std::memcpy(out.untyped_data(), response.results[next].data(), out.size_bytes());
       }
       ++next;
+    }
+    if (!shared) {
+      return problem.empty() ? ffi::Error::Success() : ffi::Error::Internal(problem);
+    }
+    if (!problem.empty()) {
+      if (ffi::Error error = ZeroOutputs(rets); error.failure()) return error;
+      std::lock_guard<std::mutex> lock(g_call_failures.mu);
+      g_call_failures.by_consumer[consumer_id] = problem;
+    }
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> flag = rets.get<ffi::AnyBuffer>(rets.size() - 1);
+    if (!flag.has_value()) return flag.error();
+    const uint32_t failed = problem.empty() ? 0 : 1;
+    std::memcpy((*flag.value()).untyped_data(), &failed, sizeof(failed));
+    return ffi::Error::Success();
+  });
+}
+
+// After a shared call's results and failure flags were summed over the devices: fails with the
+// call's reason when any device failed, else passes the values through.
+ffi::Error CheckImpl(uint64_t consumer_id, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  return Guarded([&]() -> ffi::Error {
+    ffi::ErrorOr<ffi::AnyBuffer> flag = args.get<ffi::AnyBuffer>(0);
+    if (!flag.has_value()) return flag.error();
+    uint32_t failed = 0;
+    std::memcpy(&failed, flag.value().untyped_data(), sizeof(failed));
+    if (failed != 0) {
+      std::lock_guard<std::mutex> lock(g_call_failures.mu);
+      auto found = g_call_failures.by_consumer.find(consumer_id);
+      return ffi::Error::Internal(
+          found != g_call_failures.by_consumer.end()
+              ? found->second
+              : "hostcallback: the call failed on a device of another process (its log says why)");
+    }
+    for (size_t i = 0; i < rets.size(); ++i) {
+      ffi::ErrorOr<ffi::AnyBuffer> in = args.get<ffi::AnyBuffer>(i + 1);
+      ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
+      if (!in.has_value()) return in.error();
+      if (!ret.has_value()) return ret.error();
+      ffi::AnyBuffer out = *ret.value();
+      if (out.size_bytes() != in.value().size_bytes()) {
+        return ffi::Error::Internal("hostcallback: check operands and results differ");
+      }
+      if (out.size_bytes() > 0) {
+        std::memcpy(out.untyped_data(), in.value().untyped_data(), out.size_bytes());
+      }
     }
     return ffi::Error::Success();
   });
@@ -767,6 +827,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackCall, CallImpl,
                                   .Attr<uint64_t>("consumer_id")
                                   .Attr<int64_t>("emit_device")
                                   .Attr<double>("timeout_s")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackCheck, CheckImpl,
+                              ffi::Ffi::Bind()
+                                  .Attr<uint64_t>("consumer_id")
                                   .RemainingArgs()
                                   .RemainingRets());
 
@@ -1137,6 +1203,7 @@ NB_MODULE(_hostcallback_outfeed, m) {
     nb::dict d;
     d["hostcallback_tap"] = nb::capsule(reinterpret_cast<void*>(HostcallbackTap));
     d["hostcallback_call"] = nb::capsule(reinterpret_cast<void*>(HostcallbackCall));
+    d["hostcallback_check"] = nb::capsule(reinterpret_cast<void*>(HostcallbackCheck));
     return d;
   });
   m.def("drain", &Drain, nb::arg("device"), nb::arg("max_records"), nb::arg("max_bytes"),

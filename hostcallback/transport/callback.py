@@ -58,19 +58,32 @@ def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
 
 def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, result_avals,
          timeout_s: float):
-    """The device's Python callback sends the record and waits (GIL released) for the answer;
-    with emit_device >= 0 the other devices return zeros at once."""
+    """The device's Python callback sends the record and waits (GIL released) for the answer.
+    A call shared over the devices of a sharded computation (emit_device != -1): the other
+    devices return zeros at once, and the last result is the failure flag, as in the native
+    handler: the calling device returns zeros and the flag instead of failing on its own."""
     device_of = _device_of_partition(ctx.module_context.axis_context)
     shapes = [(a.shape, np.dtype(a.dtype)) for a in result_avals]
+    shared = emit_device != -1
+
+    def zeros():
+        return tuple(np.zeros(shape, dtype) for shape, dtype in shapes)
 
     def call_on_host(partition, *arrays):
         device = device_of(partition)
         if emit_device not in (-1, device.id):
-            return tuple(np.zeros(shape, dtype) for shape, dtype in shapes)
-        answers = outfeed.call(device.id, consumer_id, [wire.as_leaf(a) for a in arrays], timeout_s,
-                               platform=device.platform)
-        return tuple(np.frombuffer(answer, dtype=dtype).reshape(shape)
-                     for answer, (shape, dtype) in zip(answers, shapes))
+            return zeros()
+        try:
+            answers = outfeed.call(device.id, consumer_id, [wire.as_leaf(a) for a in arrays],
+                                   timeout_s, platform=device.platform)
+            results = tuple(np.frombuffer(answer, dtype=dtype).reshape(shape)
+                            for answer, (shape, dtype) in zip(answers, shapes))
+        except (RuntimeError, ValueError) as error:
+            if not shared:
+                raise
+            _shared_call_failures[consumer_id] = str(error)
+            return zeros()[:-1] + (np.uint32(1),)
+        return results + (np.uint32(0),) if shared else results
 
     if isinstance(op_sharding, sharding_impls.SdyArrayList) and result_avals:
         # With results, JAX adds the token's annotation itself.
@@ -82,6 +95,28 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, r
         callback_ctx, call_on_host, token, [partition, *args], callback_ctx.avals_in,
         list(result_avals), has_side_effect=True, returns_token=True, sharding=op_sharding)
     return token_out, list(results)
+
+
+# Why a shared call failed, by consumer id (see call): read by check on every device.
+_shared_call_failures: dict[int, str] = {}
+
+
+def check(ctx, failed, values, *, consumer_id: int, op_sharding):
+    """After a shared call's results and failure flags were summed over the devices: every
+    device fails with the call's reason when any failed, else passes the values through."""
+    def check_on_host(failed, *values):
+        if failed:
+            raise RuntimeError(_shared_call_failures.get(
+                consumer_id, "hostcallback: the call failed on a device of another process "
+                             "(its log says why)"))
+        return values
+
+    value_avals = list(ctx.avals_in[1:])
+    callback_ctx = dataclasses.replace(ctx, avals_out=value_avals)
+    results, _, _ = jax_callback.emit_python_callback(
+        callback_ctx, check_on_host, None, [failed, *values], list(ctx.avals_in), value_avals,
+        has_side_effect=True, returns_token=False, sharding=op_sharding)
+    return list(results)
 
 
 def register_shard_callback(ctx) -> int:

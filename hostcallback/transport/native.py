@@ -17,12 +17,14 @@ from hostcallback._native import outfeed
 
 TAP_TARGET = "hostcallback_tap"
 CALL_TARGET = "hostcallback_call"
+CHECK_TARGET = "hostcallback_check"
 
 for _name, _capsule in outfeed.registrations().items():
     jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
 
 _lower_tap = jax.ffi.ffi_lowering(TAP_TARGET, has_side_effect=True)
 _lower_call = jax.ffi.ffi_lowering(CALL_TARGET, has_side_effect=True)
+_lower_check = jax.ffi.ffi_lowering(CHECK_TARGET, has_side_effect=True)
 
 
 def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
@@ -47,3 +49,13 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, r
     if op_sharding is not None:
         mlir.set_sharding(ctx.module_context, token_out.owner, op_sharding)
     return token_out, results
+
+
+def check(ctx, failed, values, *, consumer_id: int, op_sharding):
+    """After a shared call's results and failure flags were summed over the devices (see the
+    handler): every device fails with the call's reason when any failed, else passes the values
+    through."""
+    results = _lower_check(ctx, failed, *values, consumer_id=np.uint64(consumer_id))
+    if op_sharding is not None:
+        mlir.set_sharding(ctx.module_context, results[0].owner, op_sharding)
+    return list(results)

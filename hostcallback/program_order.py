@@ -22,6 +22,7 @@ import weakref
 
 import jax
 from jax import lax
+from jax._src import config as jax_config
 from jax._src import core, effects, source_info_util, util
 from jax._src.interpreters import mlir, pxla
 from jax._src.lib.mlir.dialects import hlo
@@ -89,6 +90,11 @@ def scoped(closed_jaxpr: core.ClosedJaxpr) -> core.ClosedJaxpr:
     """The same computation, with its program-order token made inside it (or closed_jaxpr itself
     when it holds no tap). The same jaxpr gives the same result, so JAX's lowering cache hits."""
     if program_order_effect not in closed_jaxpr.effects:
+        return closed_jaxpr
+    if jax_config.use_simplified_jaxpr_constants.value:
+        # JAX then counts the computation's hoisted constants from the jaxpr it was given and
+        # again from the one it lowers, and a scope merges repeated ones: leave the token to
+        # JAX (order kept, at the price of JAX's slower dispatch for tapped computations).
         return closed_jaxpr
     found = _scoped.get(closed_jaxpr)
     if found is None:

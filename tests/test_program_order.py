@@ -7,6 +7,7 @@ tests check that this order costs no dispatch: the compiled computation has no J
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import hostcallback as hcb
+from hostcallback import config
 
 
 class Tags:
@@ -185,6 +187,35 @@ def test_each_device_keeps_program_order_under_pmap_shard_map_and_sharded_jit(ta
         assert mine == per_step * 2 + whole
 
 
+def test_each_tap_takes_the_token_the_tap_before_it_returned_in_the_lowered_program():
+    """What makes the order hold, checked where XLA cannot reorder by chance: one token is made
+    for the whole computation, and no two taps take the same token (each takes the one the tap,
+    loop or branch before it returned)."""
+    def f(x):
+        for i in range(20):
+            hcb.id_tap(lambda a, t: None, x + i)
+
+        def body(i, c):
+            hcb.id_tap(lambda a, t: None, c)
+            hcb.id_tap(lambda a, t: None, c + 1)
+            return c
+
+        x = lax.fori_loop(0, 3, body, x)
+        lax.cond(x > 0, lambda: (hcb.id_tap(lambda a, t: None, x),
+                                 hcb.id_tap(lambda a, t: None, x + 1), None)[-1], lambda: None)
+        return x
+
+    with config.override(transport="native"):
+        text = jax.jit(f).lower(1.0).as_text()
+    assert text.count("stablehlo.create_token") == 1
+    tokens_taken = 0
+    for function in text.split("func.func")[1:]:
+        taken = re.findall(r"custom_call @hostcallback_tap\((%[\w#]+)", function)
+        assert len(taken) == len(set(taken)), f"two taps share a token: {taken}"
+        tokens_taken += len(taken)
+    assert tokens_taken == 24
+
+
 def test_program_order_costs_no_jax_effect_in_the_compiled_computation(transport):
     """The compiled step stays on JAX's fast dispatch path: no ordered or unordered effect."""
     f = jax.jit(lambda x: lax.cond(x > 1e9, lambda: hcb.id_tap(print, x, result=x),
@@ -197,3 +228,25 @@ def test_program_order_costs_no_jax_effect_in_the_compiled_computation(transport
 def test_ordered_true_still_orders_across_computations(transport):
     f = jax.jit(lambda x: hcb.id_tap(print, x, ordered=True))
     assert f.lower(1.0).compile()._executable.unsafe_call.ordered_effects != []
+
+
+def test_taps_keep_their_order_with_jax_simplified_jaxpr_constants():
+    from conftest import run_python
+
+    # That JAX flag counts a computation's constants twice; a repeated one once broke lowering.
+    result = run_python("""
+        import jax, jax.numpy as jnp, numpy as np
+        import hostcallback as hcb
+        c = np.arange(1000.0, dtype=np.float32)
+        seen = []
+        tap = lambda name: (lambda a, t: seen.append((name, float(np.asarray(a).sum()))))
+        def f(x):
+            y = hcb.id_tap(tap("first"), x + c)
+            hcb.id_tap(tap("second"), jnp.asarray(c))
+            return y
+        out = jax.jit(f)(jnp.float32(1))
+        hcb.barrier_wait()
+        print(float(out[2]), [name for name, _ in seen])
+        """, env={"JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS": "1"}, devices=1)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split("\n")[-2] == "3.0 ['first', 'second']"

@@ -47,6 +47,14 @@ def _leaf_to_array(path, leaf):
     return array
 
 
+def _refuse_pure_when_unused(flavor: CallbackFlavor, api: str, why: str) -> None:
+    """A PURE tap is dropped when its outputs are unused; where they never are, it never runs."""
+    if flavor is CallbackFlavor.PURE:
+        raise ValueError(
+            f"{api} with callback_flavor=PURE would never run: {why}, and JAX drops a PURE "
+            "callback whose outputs are unused. Use the default flavor (IO_CALLBACK), or DEBUG.")
+
+
 def _tap(consumer: Consumer, leaves, device_index: int, ordered: bool | None,
          flavor: CallbackFlavor, **call_params):
     if not isinstance(device_index, int) or device_index < 0:
@@ -138,10 +146,14 @@ def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
                  "def tap_func(arg, transforms" + (", device):" if tap_with_device else "):")
                  + " ...  (a jax.debug.callback-style fn(x) becomes "
                  "lambda x, transforms: fn(x))")
+    flavor = flavor_of(callback_flavor)
+    if result is not None:
+        _refuse_pure_when_unused(flavor, "id_tap(..., result=...)", "it returns result, not the "
+                                 "tap's outputs")
     leaves, treedef, key_impls = _flatten(arg)
     consumer = Consumer(func=tap_func, treedef=treedef, with_device=tap_with_device,
                         name=getattr(tap_func, "__name__", ""), key_impls=key_impls)
-    outs = _tap(consumer, leaves, device_index, ordered, flavor_of(callback_flavor),
+    outs = _tap(consumer, leaves, device_index, ordered, flavor,
                 **_tap_only_params(partitioned, replays))
     return result if result is not None else _unflatten(treedef, outs, key_impls)
 
@@ -245,6 +257,9 @@ def id_print(arg: Any, *fmt_args: Any, result: Any = None, tap_with_device: bool
             f"id_print() got {len(fmt_args)} extra positional argument(s) after a value that is "
             "not a format string. Tap several values as one pytree, id_print((x, y)), or pass a "
             'format string first: id_print("x={} y={}", x, y)')
+    if result is not None:
+        _refuse_pure_when_unused(flavor_of(callback_flavor), "id_print(..., result=...)",
+                                 "it returns result, not the tap's outputs")
     leaves, treedef, key_impls = _flatten(arg)
     printer = _Printer(output_stream, threshold, dict(kwargs))
     consumer = Consumer(func=printer, treedef=treedef, with_device=tap_with_device,
@@ -278,6 +293,8 @@ def _id_print_formatted(fmt: str, args: tuple, kwargs: dict, *, result: Any,
                         tap_with_device: bool, output_stream: TextIO | None, device_index: int,
                         ordered: bool | None, flavor: CallbackFlavor, params: dict) -> Any:
     """Taps ``(args, kwargs)`` for a format string; the string itself stays on the host."""
+    _refuse_pure_when_unused(flavor, "id_print with a format string", "its outputs are never "
+                             "returned")
     _check_format_fields(fmt, args, kwargs)
     leaves, treedef, key_impls = _flatten((tuple(args), dict(kwargs)))
     consumer = Consumer(func=_FormatPrinter(fmt, output_stream), treedef=treedef,

@@ -1,11 +1,12 @@
 """Keeps control flow that holds a tap from being removed as dead code.
 
-Our tap declares no JAX effect (see primitive.py for why), so JAX's dead-code elimination would
-drop a ``cond``, ``scan``, ``while_loop`` or nested ``jit`` whose results are unused, and the taps
-inside with it: ``lax.cond(step % 100 == 0, lambda: id_print(loss), lambda: None)`` would never
-print. Here each DCE rule of a primitive that holds sub-jaxprs is wrapped so that an equation
-containing a tap is kept whole when none of its results are used, and otherwise left to JAX's rule
-(which keeps the tap through the tap's own DCE rule). Nothing else about DCE changes.
+Taps declare an effect (program_order.py), which JAX's dead-code elimination respects; this
+module does not rely on that alone: each DCE rule of a primitive that holds sub-jaxprs (``cond``,
+``scan``, ``while_loop``, nested ``jit``) is wrapped so that an equation containing a tap is kept
+whole when none of its results are used, and otherwise left to JAX's rule (which keeps the tap
+through the tap's own DCE rule), so that ``lax.cond(step % 100 == 0, lambda: id_print(loss),
+lambda: None)`` always prints. A PURE tap declares no effect and is dropped with its unused
+results, as JAX drops a pure callback. Nothing else about DCE changes.
 """
 
 from __future__ import annotations

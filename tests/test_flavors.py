@@ -63,6 +63,16 @@ def test_an_unused_pure_tap_inside_a_branch_is_dropped_with_it(transport, collec
     assert [float(v) for v in collector.values] == [11.0]
 
 
+@pytest.mark.parametrize("tap", [
+    lambda x: hcb.id_tap(lambda a, t: None, x, result=x * 2, callback_flavor="pure"),
+    lambda x: hcb.id_print(x, result=x * 2, callback_flavor="pure"),
+    lambda x: hcb.id_print("x={x}", x=x, callback_flavor="pure"),
+], ids=["id_tap result=", "id_print result=", "id_print format string"])
+def test_a_pure_tap_whose_outputs_are_never_used_is_refused_not_silently_dropped(tap):
+    with pytest.raises(ValueError, match="callback_flavor=PURE would never run"):
+        jax.jit(tap)(jnp.float32(1))
+
+
 def test_a_debug_call_cannot_return_a_result():
     with pytest.raises(ValueError, match="DEBUG cannot return a result"):
         hcb.call(lambda v: v, 1.0, result_shape=1.0, callback_flavor=CallbackFlavor.DEBUG)

@@ -182,8 +182,15 @@ def lower_partitioned(ctx, args, *, consumer_id, **params):
         shardings = tuple(a.sharding for a in arg_shapes)
         shapes = tuple(a.shape for a in arg_shapes)
         consumer = registry.get(consumer_id)
-        per_device = tuple((d.id, shard_transform(shardings, shapes, d))
-                           for d in shardings[0].device_set)
+        try:
+            per_device = tuple((d.id, shard_transform(shardings, shapes, d))
+                               for d in shardings[0].device_set)
+        except ValueError as error:  # jax's IndivisibleError: shards of unequal size
+            raise ValueError(
+                f"hostcallback: a partitioned=True tap needs shards of equal size, and a value "
+                f"of shape {shapes} does not split evenly over its devices ({error}). Pad it to "
+                "a multiple of the mesh axes, or tap the whole value (partitioned=False)."
+            ) from None
         shard_consumer = dataclasses.replace(consumer, per_device_transforms=per_device)
         shard_id = registry.register(shard_consumer)
 

@@ -261,3 +261,12 @@ def test_a_failing_call_in_a_sharded_jit_fails_the_computation_clearly_not_the_p
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.splitlines()[-2:] == [
         "failed: True", "next: [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]"]
+
+
+def test_a_partitioned_tap_of_a_value_that_does_not_split_evenly_says_what_to_do(transport):
+    mesh = _mesh()
+    sharding = NamedSharding(mesh, P("d"))
+    step = jax.jit(lambda n: hcb.id_tap(lambda a, t: None, jax.lax.with_sharding_constraint(
+        jnp.arange(6.0) + n, sharding), partitioned=True))
+    with pytest.raises(Exception, match="needs shards of equal size.*Pad it"):
+        step(0.0)

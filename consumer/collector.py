@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import errno
 import hmac
 import ipaddress
 import logging
@@ -131,6 +132,18 @@ class _RunFile:
         self.segment: tuple[str, int] | None = None  # (sender, next sequence) of the last write
 
 
+def write_all(file: BinaryIO, data: bytes) -> None:
+    """Writes every byte of ``data`` or raises OSError: an unbuffered write may take only part of
+    it (a full disk, a quota, RLIMIT_FSIZE) and say so only in its return value."""
+    with memoryview(data) as view:
+        written = 0
+        while written < len(view):
+            count = file.write(view[written:])
+            if not count:
+                raise OSError(errno.ENOSPC, "the file took none of the bytes written")
+            written += count
+
+
 def scan_run_file(path: str) -> tuple[dict[str, int], int, bool]:
     """What a run file holds: per sender the next sequence number it has not written, the end of
     its last intact frame, and whether it is a framed (version-2) file at all."""
@@ -232,9 +245,15 @@ class Collector:
         while len(self._runs) >= self.limits.max_open_runs:
             _, oldest = self._runs.popitem(last=False)
             oldest.file.close()
-        run_file = self._runs[path] = _RunFile(path)
+        run_file = _RunFile(path)
         if run_file.file.tell() == 0:
-            run_file.file.write(frame_item(stream_header(run=run, collected=True)))
+            try:
+                write_all(run_file.file, frame_item(stream_header(run=run, collected=True)))
+            except OSError:
+                run_file.file.truncate(0)
+                run_file.file.close()
+                raise
+        self._runs[path] = run_file
         return run_file
 
     def _write(self, run: str, sender: str, source: str, first: int, data: bytes,
@@ -249,9 +268,10 @@ class Collector:
         blob = b"".join(parts) if len(parts) > 1 else data
         before = run_file.file.tell()
         try:
-            run_file.file.write(blob)
-        except OSError as error:  # disk full or gone: leave no partial frame behind
+            write_all(run_file.file, blob)
+        except OSError as error:  # disk full, a quota, a size limit: leave no partial frame
             run_file.file.truncate(before)
+            run_file.file.seek(before)  # else tell() stays past the end and misleads the next
             run_file.segment = None
             raise _Refuse("write failed", f"the collector cannot write {run_file.path}: "
                                           f"{error.strerror or error}") from error

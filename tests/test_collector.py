@@ -208,6 +208,53 @@ def test_low_disk_stops_writing_until_there_is_room(make_collector):
     sink.close()
 
 
+# Runs ``python -m consumer collect ...`` with a file size limit; a write past it is then short
+# (it returns fewer bytes) or fails with EFBIG, and no SIGXFSZ kills the process.
+_COLLECT_WITH_SIZE_LIMIT = """
+import resource, runpy, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+limit = int(sys.argv.pop(1))
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+runpy.run_module("consumer", run_name="__main__")
+"""
+
+
+def test_a_short_write_is_cut_off_and_never_acknowledged(tmp_path):
+    # RLIMIT_FSIZE makes the write that crosses it short (it returns fewer bytes, raising
+    # nothing), as a full disk or a quota can: that record must not be acknowledged.
+    out = tmp_path / "out"
+    server = subprocess.Popen(
+        [sys.executable, "-c", _COLLECT_WITH_SIZE_LIMIT, "100000", "collect", "--port", "0",
+         "--out", str(out), "--min-free-bytes", "0"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline().split()[3].rsplit(":", 1)[1].rstrip(","))
+        acknowledged, reason = 0, ""
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.settimeout(20)
+            client.sendall(header(run="full"))
+            for i in range(30):  # about 10 KB each: the limit falls inside one of them
+                client.sendall(frames([np.full(2500, i, np.float32)]))
+                data = b""
+                while len(data) < stream.ACK.size:
+                    data += client.recv(stream.ACK.size - len(data))
+                (total,) = stream.ACK.unpack(data)
+                if total == stream.REFUSED:
+                    (length,) = stream.REASON.unpack(client.recv(stream.REASON.size))
+                    reason = client.recv(length).decode()
+                    break
+                acknowledged = total
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.communicate(timeout=20)
+    assert "File too large" in reason
+    skipped = []
+    values = [int(r.value[0]) for r in read_records(out / "full.hcbs", skipped)]
+    assert 0 < acknowledged < 30
+    assert values == list(range(acknowledged))  # every acknowledged record, whole; no other
+    assert skipped == []
+
+
 def test_a_record_over_the_collectors_limit_is_dropped_once_and_later_ones_delivered(
         make_collector, caplog):
     server = make_collector(limits=CollectorLimits(max_record_bytes=1000))
@@ -381,10 +428,14 @@ def test_a_sink_across_a_collector_restart_delivers_every_record_once(tmp_path):
     port = free_port()
     first = CollectorThread(tmp_path / "out", port=port).start()
     sink = SocketSink("127.0.0.1", port, run="restart")
+    # The first collector's acknowledgements are lost (it dies before they arrive), so the sink
+    # sends all its records again: the second must find them in the run file and drop them.
+    sink._take_acknowledgements = lambda connection, acks, on_connection, wait: time.sleep(wait)
     for i in range(50):
         sink.emit(TapRecord(name="r", value=i))
-    wait_until(lambda: first.collector.records_written >= 10, what="the first records")
+    wait_until(lambda: first.collector.records_written == 50, what="the first records")
     first.stop()
+    del sink._take_acknowledgements
     for i in range(50, 100):
         sink.emit(TapRecord(name="r", value=i))
     second = CollectorThread(tmp_path / "out", port=port).start()
@@ -393,6 +444,8 @@ def test_a_sink_across_a_collector_restart_delivers_every_record_once(tmp_path):
     finally:
         second.stop()
     assert values_in(second.collector.path_for("restart")) == list(range(100))
+    assert second.collector.duplicates_dropped == 50
+    assert second.collector.records_written == 50
 
 
 # ---- bad clients ----

@@ -4,6 +4,7 @@ bad clients, and the `collect` command."""
 import asyncio
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -175,10 +176,38 @@ def test_clients_over_the_limit_are_refused(make_collector):
             client.sendall(header(sender=f"sender-{index}") + frames([1]))
             read_acks(client, 1)
         with socket.create_connection(("127.0.0.1", server.port)) as third:
+            third.sendall(header(sender="sender-2"))  # counted once it has sent its header
             assert "already serves 2 clients" in refusal(third)
     finally:
         first.close()
         second.close()
+
+
+def test_a_client_that_trickles_its_header_is_dropped_after_stall_seconds(make_collector):
+    server = make_collector(token="secret", limits=CollectorLimits(stall_seconds=0.5))
+    with socket.create_connection(("127.0.0.1", server.port)) as slow:
+        slow.sendall(stream.FRAME.pack(stream.SYNC, 60000, 0))  # a long header, never finished
+        deadline = time.monotonic() + 10
+        try:
+            while not select.select([slow], [], [], 0.1)[0]:  # one byte per 0.1 s < 0.5 s
+                assert time.monotonic() < deadline, "still connected after 10 s"
+                slow.sendall(b"x")
+        except BrokenPipeError:
+            pass
+        assert "no whole stream header within 0.5 s" in refusal(slow)
+    assert server.collector.refused["stalled"] == 1
+
+
+def test_clients_without_a_header_do_not_lock_out_a_sender_with_the_token(make_collector):
+    server = make_collector(token="secret", limits=CollectorLimits(max_clients=1))
+    with socket.create_connection(("127.0.0.1", server.port)) as silent:
+        wait_until(lambda: server.collector.connections == 1, what="the connection")
+        with socket.create_connection(("127.0.0.1", server.port)) as sender:
+            sender.sendall(header(token="secret") + frames([1]))
+            assert read_acks(sender, 1) == 1
+        silent.settimeout(20)
+        assert silent.recv(4096) == b""  # the oldest connection without a header made room
+    assert server.collector.refused["no header in time"] == 1
 
 
 def test_open_run_files_are_bounded_and_every_record_kept(make_collector):

@@ -347,12 +347,19 @@ class StreamReader:
     damage after the header: the damaged bytes are skipped up to the next intact frame and
     recorded in ``skipped`` (and passed to ``on_skip``). Call ``finish()`` at the end of the data
     to resynchronise past a damaged length and to report a torn last record.
+
+    ``following``: the bytes are a growing file or a socket, whose end may never come. A frame
+    that claims to run past an intact frame is then taken for a damaged length at once, rather
+    than waited for. Reading whole data (read_records) passes False: an intact record may carry
+    frame bytes in its payload (a tapped byte buffer), and only finish() may declare damage.
     """
 
     def __init__(self, max_buffer_size: int = 1 << 30,
-                 on_skip: Callable[[SkippedRange], None] | None = None) -> None:
+                 on_skip: Callable[[SkippedRange], None] | None = None,
+                 following: bool = True) -> None:
         self.max_item_bytes = max_buffer_size
         self.on_skip = on_skip
+        self.following = following
         self.header: dict[str, Any] | None = None
         self.skipped: list[SkippedRange] = []
         self._buffer = bytearray()
@@ -454,7 +461,7 @@ class StreamReader:
             raise _Damaged(f"frame length {length} is over the limit of {self.max_item_bytes}")
         end = position + FRAME.size + length
         if end > len(buffer):
-            if self._intact_frame_within(position, end):
+            if self.following and self._intact_frame_within(position, end):
                 raise _Damaged(f"frame length {length} runs past an intact frame (a damaged "
                                "length field)")
             return 0  # wait for the rest
@@ -556,7 +563,8 @@ def read_records(path_or_file, skipped: list[SkippedRange] | None = None) -> Ite
     """
     file = open(path_or_file, "rb") if isinstance(path_or_file, (str, os.PathLike)) else path_or_file  # noqa: SIM115
     name = os.fspath(path_or_file) if file is not path_or_file else getattr(file, "name", "stream")
-    reader = StreamReader(on_skip=skipped.append if skipped is not None else _warn_skipped(name))
+    reader = StreamReader(on_skip=skipped.append if skipped is not None else _warn_skipped(name),
+                          following=False)
     try:
         while True:
             chunk = file.read(1 << 20)

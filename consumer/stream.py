@@ -113,10 +113,37 @@ _DTYPE_NAMES: dict[np.dtype, str] = {}  # dtype.name costs microseconds; records
 
 
 def _dtype_name(dtype: np.dtype) -> str:
+    """The name a reader decodes ``dtype`` from, in native byte order (the data is written so);
+    a TypeError for a dtype that no name describes."""
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
-        name = _DTYPE_NAMES[dtype] = dtype.name
+        name = _DTYPE_NAMES[dtype] = _decodable_name(dtype)
     return name
+
+
+def _decodable_name(dtype: np.dtype) -> str:
+    native = dtype.newbyteorder("=")
+    # Strings need their length and byte order ("<U2"); every other dtype is known by its name
+    # (which also names bfloat16 and friends, registered by ml_dtypes).
+    name = native.str if native.kind in "US" else native.name
+    try:
+        decodable = native.kind != "O" and np.dtype(name) == native
+    except TypeError:
+        decodable = False
+    if not decodable:
+        raise TypeError(
+            f"cannot record an array of dtype {dtype}: a reader could not decode its bytes "
+            "(object arrays hold pointers, structured arrays lose their fields). Tap numbers, "
+            "booleans, dates or strings: one array per field of a structured array, or "
+            "np.asarray(values, dtype=str) for objects.")
+    return name
+
+
+def _array_data(array: np.ndarray) -> bytes:
+    """The array's bytes in C order and native byte order (what _dtype_name names)."""
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    return array.tobytes()
 
 
 def encode_value(value: Any) -> Any:
@@ -126,13 +153,13 @@ def encode_value(value: Any) -> Any:
     # C order whatever the layout, so an ndarray needs no copy first.
     if kind is np.ndarray:
         return {_ARRAY: _dtype_name(value.dtype), "shape": list(value.shape),
-                "data": value.tobytes()}
+                "data": _array_data(value)}
     if kind is dict and all(type(k) is str for k in value):
         return {k: encode_value(v) for k, v in value.items()}
     if isinstance(value, (np.ndarray, np.generic)):
         array = np.asarray(value, order="C")
         return {_ARRAY: _dtype_name(array.dtype), "shape": list(array.shape),
-                "data": array.tobytes()}
+                "data": _array_data(array)}
     if isinstance(value, tuple):
         return {_TUPLE: [encode_value(v) for v in value]}
     if isinstance(value, list):
@@ -238,13 +265,14 @@ def _pack_value(value: Any, parts: list[bytes], packer: msgpack.Packer) -> None:
                 del parts[start:]
                 parts.append(packer.pack(encode_value(value)))
                 return
-            if type(item) is np.ndarray and item.nbytes <= _SMALL_ARRAY_BYTES:
+            if type(item) is np.ndarray and item.nbytes <= _SMALL_ARRAY_BYTES \
+                    and item.dtype.isnative:  # the head names the dtype; tobytes() keeps its order
                 parts.append(_array_head(key, item))
                 parts.append(item.tobytes())
             else:
                 parts.append(packer.pack(key))
                 _pack_value(item, parts, packer)
-    elif kind is np.ndarray and value.nbytes <= _SMALL_ARRAY_BYTES:
+    elif kind is np.ndarray and value.nbytes <= _SMALL_ARRAY_BYTES and value.dtype.isnative:
         parts.append(_ARRAY_HEADS.get((None, value.dtype, value.shape))
                      or _array_head(None, value))
         parts.append(value.tobytes())

@@ -423,7 +423,10 @@ class StreamReader:
 
     def _mark_damaged(self, position: int, reason: str) -> None:
         if self._version is None:
-            raise StreamFormatError(f"stream does not start with a hostcallback header ({reason})")
+            if not (self._base == 0 and self._buffer.startswith(SYNC)):
+                raise StreamFormatError(f"stream does not start with a hostcallback header "
+                                        f"({reason})")
+            self._version = 2  # a framed stream whose header is damaged: its records still count
         if self._damage is None:
             self._damage = (self._base + position, reason)
 
@@ -681,8 +684,12 @@ def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
                 chunk = file.read()  # a last write may have landed since
                 records = reader.feed(chunk) + reader.finish() if chunk else reader.finish()
                 yield from records
+                # Open the next file while the old one is still open: its inode cannot be
+                # reused by a newer file meanwhile (rotation deletes the oldest), which would make
+                # _open_next take the newer file for the old one.
+                following = _open_next(path, opened.st_ino)
                 file.close()
-                file = _open_next(path, opened.st_ino)
+                file = following
                 reader = StreamReader(on_skip=_warn_skipped(file.name))
                 continue
             if should_stop is not None and should_stop():

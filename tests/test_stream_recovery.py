@@ -63,6 +63,15 @@ def test_without_a_list_skipped_ranges_are_logged(caplog):
     assert "skipped bytes" in caplog.text and "every intact record" in caplog.text
 
 
+def test_a_damaged_first_header_loses_only_itself():
+    data = bytearray(stream.dumps(RECORDS))
+    data[stream.FRAME.size + 3] ^= 0xFF  # inside the header frame's payload
+    skipped = []
+    assert steps(read_records(io.BytesIO(bytes(data)), skipped)) == list(range(10))
+    (region,) = skipped
+    assert region.start == 0 and region.end == offset_of_record(data, 0)
+
+
 def _version_1(records) -> bytes:
     return stream.pack({"format": stream.FORMAT, "version": 1}) + b"".join(
         stream.pack(r.to_map()) for r in records)

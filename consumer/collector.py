@@ -83,7 +83,8 @@ class CollectorLimits:
     max_open_runs: int = 32
     min_free_bytes: int = 256 << 20
     # A client silent this long mid-record is dropped; so is one whose header has not arrived
-    # whole this long after it connected, however it trickles in.
+    # whole this long after it connected, however it trickles in, and one that reads no
+    # acknowledgements this long while they pile up.
     stall_seconds: float = 60.0
     # A client silent this long between records (no record, no heartbeat) is gone: a dead host
     # must not hold a slot forever. SocketSink sends a heartbeat every 30 s when it has nothing.
@@ -468,7 +469,11 @@ class Collector:
                     received += count
                     del buffer[:used]
                     writer.write(ACK.pack(received))
-                    await writer.drain()
+                    try:  # a client that reads no acknowledgements must not hold a slot forever
+                        await asyncio.wait_for(writer.drain(), self.limits.stall_seconds)
+                    except asyncio.TimeoutError:
+                        raise _Refuse("stalled", f"it read no acknowledgements for "
+                                                 f"{self.limits.stall_seconds} s") from None
         except _Refuse as refusal:
             self._log_once(peer, refusal.kind, refusal.reason)
             reason = refusal.reason.encode()

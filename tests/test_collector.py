@@ -198,6 +198,47 @@ def test_a_client_that_trickles_its_header_is_dropped_after_stall_seconds(make_c
     assert server.collector.refused["stalled"] == 1
 
 
+class _DeafWriter:
+    """A StreamWriter whose peer reads nothing: drain() never returns."""
+
+    def __init__(self):
+        self.written = bytearray()
+        self.transport = self
+
+    def write(self, data):
+        self.written += data
+
+    async def drain(self):
+        await asyncio.Event().wait()
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+    def is_closing(self):
+        return False
+
+    def close(self):
+        pass
+
+    def abort(self):
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_a_client_that_reads_no_acknowledgements_is_dropped_after_stall_seconds(tmp_path):
+    async def scenario():
+        collector = Collector(tmp_path / "out", limits=CollectorLimits(stall_seconds=0.3,
+                                                                     min_free_bytes=0))
+        reader = asyncio.StreamReader()
+        reader.feed_data(header() + frames([1, 2]))
+        await asyncio.wait_for(collector.handle(reader, _DeafWriter()), 10)  # before: forever
+        collector.close()
+        return collector
+
+    collector = asyncio.run(scenario())
+    assert collector.refused["stalled"] == 1 and collector.records_written == 2
+
+
 def test_clients_without_a_header_do_not_lock_out_a_sender_with_the_token(make_collector):
     server = make_collector(token="secret", limits=CollectorLimits(max_clients=1))
     with socket.create_connection(("127.0.0.1", server.port)) as silent:

@@ -624,6 +624,8 @@ class SocketSink(FrameSink):
                         self._flush_warned = False
                 delay = 0.05
             except OSError as error:
+                if self._abandoned:  # close() shut the socket down: it reports what was lost
+                    break
                 if connection is not None:
                     connection.close()
                     self.reconnects += 1

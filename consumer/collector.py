@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import collections
 import dataclasses
+import errno
 import hmac
 import ipaddress
 import logging
@@ -71,13 +72,20 @@ _MAP_TYPES = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
 @dataclasses.dataclass
 class CollectorLimits:
     """What one collector accepts. Memory is bounded by about
-    ``max_clients * (max_record_bytes + 64 KiB)`` plus a few bytes per sender seen."""
+    ``max_clients * (max_record_bytes + 128 KiB)`` plus a few bytes per sender seen.
+
+    ``max_clients`` bounds the senders that sent a valid header (with the token), and apart from
+    them the connections still sending one: when those are full, the oldest is dropped for the
+    newcomer, so clients that never authenticate cannot lock real senders out."""
 
     max_record_bytes: int = 4 << 20
     max_clients: int = 64
     max_open_runs: int = 32
     min_free_bytes: int = 256 << 20
-    stall_seconds: float = 60.0  # a client silent this long mid-record (or before its header)
+    # A client silent this long mid-record is dropped; so is one whose header has not arrived
+    # whole this long after it connected, however it trickles in, and one that reads no
+    # acknowledgements this long while they pile up.
+    stall_seconds: float = 60.0
     # A client silent this long between records (no record, no heartbeat) is gone: a dead host
     # must not hold a slot forever. SocketSink sends a heartbeat every 30 s when it has nothing.
     idle_seconds: float = 300.0
@@ -129,6 +137,18 @@ class _RunFile:
         self.path = path
         self.file: BinaryIO = open(path, "ab", buffering=0)  # noqa: SIM115 (kept open, LRU)
         self.segment: tuple[str, int] | None = None  # (sender, next sequence) of the last write
+
+
+def write_all(file: BinaryIO, data: bytes) -> None:
+    """Writes every byte of ``data`` or raises OSError: an unbuffered write may take only part of
+    it (a full disk, a quota, RLIMIT_FSIZE) and say so only in its return value."""
+    with memoryview(data) as view:
+        written = 0
+        while written < len(view):
+            count = file.write(view[written:])
+            if not count:
+                raise OSError(errno.ENOSPC, "the file took none of the bytes written")
+            written += count
 
 
 def scan_run_file(path: str) -> tuple[dict[str, int], int, bool]:
@@ -195,6 +215,9 @@ class Collector:
         self._runs: collections.OrderedDict[str, _RunFile] = collections.OrderedDict()
         self._written: dict[str, dict[str, int]] = {}  # path -> sender -> next unwritten sequence
         self._writers: set[asyncio.StreamWriter] = set()
+        # Connections that have not sent a valid header yet, oldest first, and their peers.
+        self._unauthenticated: collections.OrderedDict[asyncio.StreamWriter, str] = \
+            collections.OrderedDict()
         self._senders: dict[str, asyncio.StreamWriter] = {}  # sender -> its newest connection
         self._handlers: set[asyncio.Task] = set()
         self._closing = False  # serve() is ending: no handler may open a run file any more
@@ -232,9 +255,15 @@ class Collector:
         while len(self._runs) >= self.limits.max_open_runs:
             _, oldest = self._runs.popitem(last=False)
             oldest.file.close()
-        run_file = self._runs[path] = _RunFile(path)
+        run_file = _RunFile(path)
         if run_file.file.tell() == 0:
-            run_file.file.write(frame_item(stream_header(run=run, collected=True)))
+            try:
+                write_all(run_file.file, frame_item(stream_header(run=run, collected=True)))
+            except OSError:
+                run_file.file.truncate(0)
+                run_file.file.close()
+                raise
+        self._runs[path] = run_file
         return run_file
 
     def _write(self, run: str, sender: str, source: str, first: int, data: bytes,
@@ -249,9 +278,10 @@ class Collector:
         blob = b"".join(parts) if len(parts) > 1 else data
         before = run_file.file.tell()
         try:
-            run_file.file.write(blob)
-        except OSError as error:  # disk full or gone: leave no partial frame behind
+            write_all(run_file.file, blob)
+        except OSError as error:  # disk full, a quota, a size limit: leave no partial frame
             run_file.file.truncate(before)
+            run_file.file.seek(before)  # else tell() stays past the end and misleads the next
             run_file.segment = None
             raise _Refuse("write failed", f"the collector cannot write {run_file.path}: "
                                           f"{error.strerror or error}") from error
@@ -362,29 +392,40 @@ class Collector:
         if task is not None:
             self._handlers.add(task)
         self._writers.add(writer)
-        self.clients += 1
+        if len(self._unauthenticated) >= self.limits.max_clients:
+            oldest, oldest_peer = self._unauthenticated.popitem(last=False)
+            self._log_once(oldest_peer, "no header in time",
+                           f"{self.limits.max_clients} connections wait for their header (the "
+                           "limit): the oldest is dropped for a newer one")
+            oldest.transport.abort()
+        self._unauthenticated[writer] = peer
+        authenticated = False
         sender = None
         buffer = bytearray()
         header: dict[str, Any] | None = None
+        header_deadline = time.monotonic() + self.limits.stall_seconds
         received = 0
         try:
-            if self.clients > self.limits.max_clients:
-                raise _Refuse("too many clients", f"the collector already serves "
-                                                  f"{self.limits.max_clients} clients (its limit)")
             while True:
                 waiting = header is None or bool(buffer)
+                if header is None:  # one deadline for the whole header, however it trickles
+                    wait = header_deadline - time.monotonic()
+                else:
+                    wait = self.limits.stall_seconds if waiting else self.limits.idle_seconds
                 try:
-                    chunk = await asyncio.wait_for(
-                        reader.read(_READ_BYTES),
-                        self.limits.stall_seconds if waiting else self.limits.idle_seconds)
+                    chunk = await asyncio.wait_for(reader.read(_READ_BYTES), max(0.0, wait))
                 except asyncio.TimeoutError:
+                    if header is None:
+                        raise _Refuse("stalled", f"no whole stream header within "
+                                                 f"{self.limits.stall_seconds} s") from None
                     if not waiting:
                         raise _Refuse("idle", f"no record or heartbeat for "
                                               f"{self.limits.idle_seconds} s") from None
                     raise _Refuse("stalled", f"no bytes for {self.limits.stall_seconds} s "
-                                             + ("before its header" if header is None
-                                                else "in the middle of a record")) from None
+                                             "in the middle of a record") from None
                 if not chunk:
+                    if header is None and writer not in self._unauthenticated:
+                        break  # dropped for a newer connection (logged there)
                     if header is None:
                         raise _Refuse("no header", "closed before sending a stream header")
                     if received == 0:
@@ -397,6 +438,14 @@ class Collector:
                         continue
                     header = self._check_header(bytes(buffer[FRAME.size:used]))
                     del buffer[:used]
+                    del self._unauthenticated[writer]
+                    if self.clients >= self.limits.max_clients and \
+                            header["sender"] not in self._senders:  # a reconnect replaces one
+                        raise _Refuse("too many clients",
+                                      f"the collector already serves {self.limits.max_clients} "
+                                      "clients (its limit)")
+                    self.clients += 1
+                    authenticated = True
                     run = str(header.get("run", "run"))
                     sender, next_sequence = header["sender"], header["first"]
                     source = (f"{header.get('host', '?')}:{header.get('pid', '?')}"
@@ -420,7 +469,11 @@ class Collector:
                     received += count
                     del buffer[:used]
                     writer.write(ACK.pack(received))
-                    await writer.drain()
+                    try:  # a client that reads no acknowledgements must not hold a slot forever
+                        await asyncio.wait_for(writer.drain(), self.limits.stall_seconds)
+                    except asyncio.TimeoutError:
+                        raise _Refuse("stalled", f"it read no acknowledgements for "
+                                                 f"{self.limits.stall_seconds} s") from None
         except _Refuse as refusal:
             self._log_once(peer, refusal.kind, refusal.reason)
             reason = refusal.reason.encode()
@@ -432,7 +485,8 @@ class Collector:
         except (ConnectionError, asyncio.CancelledError):
             pass
         finally:
-            self.clients -= 1
+            self.clients -= authenticated
+            self._unauthenticated.pop(writer, None)
             self._writers.discard(writer)
             if sender is not None and self._senders.get(sender) is writer:
                 del self._senders[sender]

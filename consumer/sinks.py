@@ -424,6 +424,7 @@ class SocketSink(FrameSink):
         self._closed = False  # no more emits; the thread ends once everything is acknowledged
         self._abandoned = False  # the thread ends now
         self._cond = threading.Condition()
+        self._connection: socket.socket | None = None  # the sending thread's, for close()
         self._thread = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"hostcallback-socket-sink-{host}:{port}")
         self._thread.start()
@@ -591,7 +592,7 @@ class SocketSink(FrameSink):
                     size += len(data)
             try:
                 if connection is None:
-                    connection = self._connect()
+                    connection = self._connection = self._connect()
                     acks, on_connection = bytearray(), [0]
                     continue  # _connect rewound what to send: gather it again
                 now = time.monotonic()
@@ -623,6 +624,8 @@ class SocketSink(FrameSink):
                         self._flush_warned = False
                 delay = 0.05
             except OSError as error:
+                if self._abandoned:  # close() shut the socket down: it reports what was lost
+                    break
                 if connection is not None:
                     connection.close()
                     self.reconnects += 1
@@ -644,9 +647,12 @@ class SocketSink(FrameSink):
     # ---- flush and close ----
 
     def _wait_acknowledged(self, deadline: float | None) -> bool:
+        """Waits for the records emitted before this call, not for an empty buffer: other
+        threads that keep emitting must not hold a flush up until its timeout."""
         with self._cond:
+            emitted = self.acknowledged + len(self._frames)  # acknowledged: also those dropped
             return self._cond.wait_for(
-                lambda: not self._frames,
+                lambda: self.acknowledged >= emitted,
                 None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def _deadline(self, timeout: float | None, deadline: float | None = None) -> float:
@@ -654,8 +660,8 @@ class SocketSink(FrameSink):
         return own if deadline is None else min(own, deadline)
 
     def flush(self, timeout: float | None = None) -> None:
-        """Waits until the collector acknowledged every emitted record; raises TimeoutError after
-        ``timeout`` s (default ``flush_timeout``)."""
+        """Waits until the collector acknowledged every record emitted before this call; raises
+        TimeoutError after ``timeout`` s (default ``flush_timeout``)."""
         if not self._wait_acknowledged(self._deadline(timeout)):
             raise TimeoutError(f"SocketSink to {self.address[0]}:{self.address[1]}: "
                                f"{self.pending} records not acknowledged after "
@@ -665,8 +671,10 @@ class SocketSink(FrameSink):
     def flush_before(self, deadline: float | None) -> bool:
         """The flush after a barrier or at exit: waits until ``deadline`` (monotonic) at most, and
         at most ``flush_timeout``; says once what is still unacknowledged instead of raising."""
-        if self._closed or self._wait_acknowledged(self._deadline(None, deadline)):
+        if self._closed:
             return not self.pending  # a closed sink already reported what it could not send
+        if self._wait_acknowledged(self._deadline(None, deadline)):
+            return True
         if self._flush_warned:  # once per outage: a barrier every step must not flood the log
             return False
         self._flush_warned = True
@@ -688,6 +696,15 @@ class SocketSink(FrameSink):
                 self._abandoned = True
             self._cond.notify_all()
         self._thread.join(max(0.1, deadline - time.monotonic()))
+        connection = self._connection
+        if self._thread.is_alive() and connection is not None:
+            # Blocked sending to a collector that does not read (up to _SEND_TIMEOUT): shutting
+            # the socket down wakes it, so no thread and socket outlive close.
+            try:
+                socket.socket.shutdown(connection, socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._thread.join(1.0)
         if lost:
             logger.error("SocketSink to %s:%d closed with %d records the collector never "
                          "acknowledged; they are lost (%s)", *self.address, lost,

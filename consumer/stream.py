@@ -113,10 +113,37 @@ _DTYPE_NAMES: dict[np.dtype, str] = {}  # dtype.name costs microseconds; records
 
 
 def _dtype_name(dtype: np.dtype) -> str:
+    """The name a reader decodes ``dtype`` from, in native byte order (the data is written so);
+    a TypeError for a dtype that no name describes."""
     name = _DTYPE_NAMES.get(dtype)
     if name is None:
-        name = _DTYPE_NAMES[dtype] = dtype.name
+        name = _DTYPE_NAMES[dtype] = _decodable_name(dtype)
     return name
+
+
+def _decodable_name(dtype: np.dtype) -> str:
+    native = dtype.newbyteorder("=")
+    # Strings need their length and byte order ("<U2"); every other dtype is known by its name
+    # (which also names bfloat16 and friends, registered by ml_dtypes).
+    name = native.str if native.kind in "US" else native.name
+    try:
+        decodable = native.kind != "O" and np.dtype(name) == native
+    except TypeError:
+        decodable = False
+    if not decodable:
+        raise TypeError(
+            f"cannot record an array of dtype {dtype}: a reader could not decode its bytes "
+            "(object arrays hold pointers, structured arrays lose their fields). Tap numbers, "
+            "booleans, dates or strings: one array per field of a structured array, or "
+            "np.asarray(values, dtype=str) for objects.")
+    return name
+
+
+def _array_data(array: np.ndarray) -> bytes:
+    """The array's bytes in C order and native byte order (what _dtype_name names)."""
+    if not array.dtype.isnative:
+        array = array.astype(array.dtype.newbyteorder("="))
+    return array.tobytes()
 
 
 def encode_value(value: Any) -> Any:
@@ -126,13 +153,13 @@ def encode_value(value: Any) -> Any:
     # C order whatever the layout, so an ndarray needs no copy first.
     if kind is np.ndarray:
         return {_ARRAY: _dtype_name(value.dtype), "shape": list(value.shape),
-                "data": value.tobytes()}
+                "data": _array_data(value)}
     if kind is dict and all(type(k) is str for k in value):
         return {k: encode_value(v) for k, v in value.items()}
     if isinstance(value, (np.ndarray, np.generic)):
         array = np.asarray(value, order="C")
         return {_ARRAY: _dtype_name(array.dtype), "shape": list(array.shape),
-                "data": array.tobytes()}
+                "data": _array_data(array)}
     if isinstance(value, tuple):
         return {_TUPLE: [encode_value(v) for v in value]}
     if isinstance(value, list):
@@ -238,13 +265,14 @@ def _pack_value(value: Any, parts: list[bytes], packer: msgpack.Packer) -> None:
                 del parts[start:]
                 parts.append(packer.pack(encode_value(value)))
                 return
-            if type(item) is np.ndarray and item.nbytes <= _SMALL_ARRAY_BYTES:
+            if type(item) is np.ndarray and item.nbytes <= _SMALL_ARRAY_BYTES \
+                    and item.dtype.isnative:  # the head names the dtype; tobytes() keeps its order
                 parts.append(_array_head(key, item))
                 parts.append(item.tobytes())
             else:
                 parts.append(packer.pack(key))
                 _pack_value(item, parts, packer)
-    elif kind is np.ndarray and value.nbytes <= _SMALL_ARRAY_BYTES:
+    elif kind is np.ndarray and value.nbytes <= _SMALL_ARRAY_BYTES and value.dtype.isnative:
         parts.append(_ARRAY_HEADS.get((None, value.dtype, value.shape))
                      or _array_head(None, value))
         parts.append(value.tobytes())
@@ -347,12 +375,19 @@ class StreamReader:
     damage after the header: the damaged bytes are skipped up to the next intact frame and
     recorded in ``skipped`` (and passed to ``on_skip``). Call ``finish()`` at the end of the data
     to resynchronise past a damaged length and to report a torn last record.
+
+    ``following``: the bytes are a growing file or a socket, whose end may never come. A frame
+    that claims to run past an intact frame is then taken for a damaged length at once, rather
+    than waited for. Reading whole data (read_records) passes False: an intact record may carry
+    frame bytes in its payload (a tapped byte buffer), and only finish() may declare damage.
     """
 
     def __init__(self, max_buffer_size: int = 1 << 30,
-                 on_skip: Callable[[SkippedRange], None] | None = None) -> None:
+                 on_skip: Callable[[SkippedRange], None] | None = None,
+                 following: bool = True) -> None:
         self.max_item_bytes = max_buffer_size
         self.on_skip = on_skip
+        self.following = following
         self.header: dict[str, Any] | None = None
         self.skipped: list[SkippedRange] = []
         self._buffer = bytearray()
@@ -388,7 +423,10 @@ class StreamReader:
 
     def _mark_damaged(self, position: int, reason: str) -> None:
         if self._version is None:
-            raise StreamFormatError(f"stream does not start with a hostcallback header ({reason})")
+            if not (self._base == 0 and self._buffer.startswith(SYNC)):
+                raise StreamFormatError(f"stream does not start with a hostcallback header "
+                                        f"({reason})")
+            self._version = 2  # a framed stream whose header is damaged: its records still count
         if self._damage is None:
             self._damage = (self._base + position, reason)
 
@@ -454,7 +492,7 @@ class StreamReader:
             raise _Damaged(f"frame length {length} is over the limit of {self.max_item_bytes}")
         end = position + FRAME.size + length
         if end > len(buffer):
-            if self._intact_frame_within(position, end):
+            if self.following and self._intact_frame_within(position, end):
                 raise _Damaged(f"frame length {length} runs past an intact frame (a damaged "
                                "length field)")
             return 0  # wait for the rest
@@ -556,7 +594,8 @@ def read_records(path_or_file, skipped: list[SkippedRange] | None = None) -> Ite
     """
     file = open(path_or_file, "rb") if isinstance(path_or_file, (str, os.PathLike)) else path_or_file  # noqa: SIM115
     name = os.fspath(path_or_file) if file is not path_or_file else getattr(file, "name", "stream")
-    reader = StreamReader(on_skip=skipped.append if skipped is not None else _warn_skipped(name))
+    reader = StreamReader(on_skip=skipped.append if skipped is not None else _warn_skipped(name),
+                          following=False)
     try:
         while True:
             chunk = file.read(1 << 20)
@@ -645,8 +684,12 @@ def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
                 chunk = file.read()  # a last write may have landed since
                 records = reader.feed(chunk) + reader.finish() if chunk else reader.finish()
                 yield from records
+                # Open the next file while the old one is still open: its inode cannot be
+                # reused by a newer file meanwhile (rotation deletes the oldest), which would make
+                # _open_next take the newer file for the old one.
+                following = _open_next(path, opened.st_ino)
                 file.close()
-                file = _open_next(path, opened.st_ino)
+                file = following
                 reader = StreamReader(on_skip=_warn_skipped(file.name))
                 continue
             if should_stop is not None and should_stop():

@@ -4,6 +4,7 @@ bad clients, and the `collect` command."""
 import asyncio
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -175,10 +176,79 @@ def test_clients_over_the_limit_are_refused(make_collector):
             client.sendall(header(sender=f"sender-{index}") + frames([1]))
             read_acks(client, 1)
         with socket.create_connection(("127.0.0.1", server.port)) as third:
+            third.sendall(header(sender="sender-2"))  # counted once it has sent its header
             assert "already serves 2 clients" in refusal(third)
     finally:
         first.close()
         second.close()
+
+
+def test_a_client_that_trickles_its_header_is_dropped_after_stall_seconds(make_collector):
+    server = make_collector(token="secret", limits=CollectorLimits(stall_seconds=0.5))
+    with socket.create_connection(("127.0.0.1", server.port)) as slow:
+        slow.sendall(stream.FRAME.pack(stream.SYNC, 60000, 0))  # a long header, never finished
+        deadline = time.monotonic() + 10
+        try:
+            while not select.select([slow], [], [], 0.1)[0]:  # one byte per 0.1 s < 0.5 s
+                assert time.monotonic() < deadline, "still connected after 10 s"
+                slow.sendall(b"x")
+        except BrokenPipeError:
+            pass
+        assert "no whole stream header within 0.5 s" in refusal(slow)
+    assert server.collector.refused["stalled"] == 1
+
+
+class _DeafWriter:
+    """A StreamWriter whose peer reads nothing: drain() never returns."""
+
+    def __init__(self):
+        self.written = bytearray()
+        self.transport = self
+
+    def write(self, data):
+        self.written += data
+
+    async def drain(self):
+        await asyncio.Event().wait()
+
+    def get_extra_info(self, name, default=None):
+        return default
+
+    def is_closing(self):
+        return False
+
+    def close(self):
+        pass
+
+    def abort(self):
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_a_client_that_reads_no_acknowledgements_is_dropped_after_stall_seconds(tmp_path):
+    async def scenario():
+        collector = Collector(tmp_path / "out", limits=CollectorLimits(stall_seconds=0.3,
+                                                                     min_free_bytes=0))
+        reader = asyncio.StreamReader()
+        reader.feed_data(header() + frames([1, 2]))
+        await asyncio.wait_for(collector.handle(reader, _DeafWriter()), 10)  # before: forever
+        collector.close()
+        return collector
+
+    collector = asyncio.run(scenario())
+    assert collector.refused["stalled"] == 1 and collector.records_written == 2
+
+
+def test_clients_without_a_header_do_not_lock_out_a_sender_with_the_token(make_collector):
+    server = make_collector(token="secret", limits=CollectorLimits(max_clients=1))
+    with socket.create_connection(("127.0.0.1", server.port)) as silent:
+        wait_until(lambda: server.collector.connections == 1, what="the connection")
+        with socket.create_connection(("127.0.0.1", server.port)) as sender:
+            sender.sendall(header(token="secret") + frames([1]))
+            assert read_acks(sender, 1) == 1
+        silent.settimeout(20)
+        assert silent.recv(4096) == b""  # the oldest connection without a header made room
+    assert server.collector.refused["no header in time"] == 1
 
 
 def test_open_run_files_are_bounded_and_every_record_kept(make_collector):
@@ -206,6 +276,53 @@ def test_low_disk_stops_writing_until_there_is_room(make_collector):
     sink.flush(timeout=20)
     assert values_in(server.collector.path_for("disk")) == [0, 1, 2]
     sink.close()
+
+
+# Runs ``python -m consumer collect ...`` with a file size limit; a write past it is then short
+# (it returns fewer bytes) or fails with EFBIG, and no SIGXFSZ kills the process.
+_COLLECT_WITH_SIZE_LIMIT = """
+import resource, runpy, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+limit = int(sys.argv.pop(1))
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+runpy.run_module("consumer", run_name="__main__")
+"""
+
+
+def test_a_short_write_is_cut_off_and_never_acknowledged(tmp_path):
+    # RLIMIT_FSIZE makes the write that crosses it short (it returns fewer bytes, raising
+    # nothing), as a full disk or a quota can: that record must not be acknowledged.
+    out = tmp_path / "out"
+    server = subprocess.Popen(
+        [sys.executable, "-c", _COLLECT_WITH_SIZE_LIMIT, "100000", "collect", "--port", "0",
+         "--out", str(out), "--min-free-bytes", "0"], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline().split()[3].rsplit(":", 1)[1].rstrip(","))
+        acknowledged, reason = 0, ""
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            client.settimeout(20)
+            client.sendall(header(run="full"))
+            for i in range(30):  # about 10 KB each: the limit falls inside one of them
+                client.sendall(frames([np.full(2500, i, np.float32)]))
+                data = b""
+                while len(data) < stream.ACK.size:
+                    data += client.recv(stream.ACK.size - len(data))
+                (total,) = stream.ACK.unpack(data)
+                if total == stream.REFUSED:
+                    (length,) = stream.REASON.unpack(client.recv(stream.REASON.size))
+                    reason = client.recv(length).decode()
+                    break
+                acknowledged = total
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.communicate(timeout=20)
+    assert "File too large" in reason
+    skipped = []
+    values = [int(r.value[0]) for r in read_records(out / "full.hcbs", skipped)]
+    assert 0 < acknowledged < 30
+    assert values == list(range(acknowledged))  # every acknowledged record, whole; no other
+    assert skipped == []
 
 
 def test_a_record_over_the_collectors_limit_is_dropped_once_and_later_ones_delivered(
@@ -381,10 +498,14 @@ def test_a_sink_across_a_collector_restart_delivers_every_record_once(tmp_path):
     port = free_port()
     first = CollectorThread(tmp_path / "out", port=port).start()
     sink = SocketSink("127.0.0.1", port, run="restart")
+    # The first collector's acknowledgements are lost (it dies before they arrive), so the sink
+    # sends all its records again: the second must find them in the run file and drop them.
+    sink._take_acknowledgements = lambda connection, acks, on_connection, wait: time.sleep(wait)
     for i in range(50):
         sink.emit(TapRecord(name="r", value=i))
-    wait_until(lambda: first.collector.records_written >= 10, what="the first records")
+    wait_until(lambda: first.collector.records_written == 50, what="the first records")
     first.stop()
+    del sink._take_acknowledgements
     for i in range(50, 100):
         sink.emit(TapRecord(name="r", value=i))
     second = CollectorThread(tmp_path / "out", port=port).start()
@@ -393,6 +514,8 @@ def test_a_sink_across_a_collector_restart_delivers_every_record_once(tmp_path):
     finally:
         second.stop()
     assert values_in(second.collector.path_for("restart")) == list(range(100))
+    assert second.collector.duplicates_dropped == 50
+    assert second.collector.records_written == 50
 
 
 # ---- bad clients ----

@@ -179,7 +179,8 @@ def test_a_file_sink_fed_frames_writes_what_the_general_path_writes(tmp_path):
     sinks = [fast, general]
 
     def body(i, x):
-        value = {"step": 3 * i + 1, "loss": x,  # a step that is not the sequence number "grid": jnp.full((2, 3), x, jnp.bfloat16),
+        value = {"step": 3 * i + 1,  # a step that is not the sequence number
+                 "loss": x, "grid": jnp.full((2, 3), x, jnp.bfloat16),
                  "flag": x > 2, "count": jnp.int8(i)}
         return tap_to(sinks, value, name="train", lr=0.01)["loss"] + 1.0
 
@@ -188,8 +189,26 @@ def test_a_file_sink_fed_frames_writes_what_the_general_path_writes(tmp_path):
     hcb.barrier_wait()
     fast.close()
     general.close()
-    assert len(list(read_records(tmp_path / "fast.hcbs"))) == 21
+    records = list(read_records(tmp_path / "fast.hcbs"))
+    assert len(records) == 21
+    assert records[5].value["grid"].dtype == ml_dtypes.bfloat16
+    assert records[5].value["grid"].shape == (2, 3)
     assert _records_bytes(tmp_path / "fast.hcbs") == _records_bytes(tmp_path / "general.hcbs")
+
+
+@pytest.mark.parametrize("value", [
+    np.arange(3, dtype=">i4"), np.array([1.5, -2], ">f4"), np.array([1 + 2j], ">c8"),
+    np.array(["ab", "c"]), np.array([b"xy"]), np.array(["é"], ">U1"),
+    np.array([1, 2], "M8[s]"),
+], ids=lambda value: value.dtype.str)
+def test_the_fast_path_and_the_general_path_agree_on_every_dtype_they_write(value):
+    framer = RecordFramer("d", {}, process=0, host="h")
+    for tapped in (value, {"k": value}):
+        fast = framer.frame(tapped, None, "cpu:0", 0, 1, 2.0, ())
+        general = frame_item(TapRecord(name="d", value=tapped, process=0, host="h",
+                                       device="cpu:0", device_id=0, sequence=1,
+                                       time=2.0).to_map())
+        assert fast == general
 
 
 @pytest.mark.timeout(120)

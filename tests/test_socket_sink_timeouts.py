@@ -7,6 +7,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 import pytest
 from conftest import run_python
 
@@ -172,3 +173,67 @@ def test_a_refusal_alternating_with_resets_is_reported_once(caplog):
     fickle.close()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert sum("wrong or missing token" in message for message in warnings) == 1
+
+
+class _AckWhenTold:
+    """Serves one connection: reads everything, and acknowledges ``count`` records when
+    ``go`` is set (never more)."""
+
+    def __init__(self, count):
+        self.count, self.go = count, threading.Event()
+
+    def __call__(self, connection, index):
+        with connection:
+            connection.settimeout(0.05)
+            while True:
+                try:
+                    if not connection.recv(1 << 16):
+                        return
+                except TimeoutError:
+                    pass
+                except OSError:
+                    return
+                if self.go.is_set():
+                    connection.sendall(ACK.pack(self.count))
+                    self.go.clear()
+
+
+@pytest.mark.timeout(30)
+def test_flush_waits_for_the_records_emitted_before_it_not_for_later_ones():
+    server = _AckWhenTold(count=3)
+    collector = FakeCollector(server)
+    sink = SocketSink("127.0.0.1", collector.port, run="busy")
+    for i in range(3):
+        sink.emit(TapRecord(name="r", value=i))
+
+    def another_thread_emits_during_the_flush():
+        # The sending thread never waits on the condition while records are pending, so a
+        # waiter is the flush.
+        wait_until(lambda: len(sink._cond._waiters) >= 1)
+        sink.emit(TapRecord(name="r", value=3))  # never acknowledged
+        server.go.set()
+
+    helper = threading.Thread(target=another_thread_emits_during_the_flush)
+    helper.start()
+    sink.flush(timeout=10)  # before the fix: TimeoutError, waiting for record 3 as well
+    helper.join()
+    assert sink.acknowledged == 3 and sink.pending == 1
+    assert sink.close(timeout=0) == 1
+    collector.close()
+
+
+def _accept_and_never_read(connection, index):
+    time.sleep(30)
+    connection.close()
+
+
+@pytest.mark.timeout(30)
+def test_close_stops_a_sending_thread_blocked_on_a_collector_that_does_not_read():
+    stuck = FakeCollector(_accept_and_never_read)
+    sink = SocketSink("127.0.0.1", stuck.port, run="stuck", ack_timeout=600)
+    for i in range(40):  # 40 MB: far more than the socket buffers hold
+        sink.emit(TapRecord(name="r", value=np.zeros(250_000, np.float32)))
+    wait_until(lambda: sink._sent > 0)  # the thread is in sendall
+    assert sink.close(timeout=0.5) == 40
+    wait_until(lambda: not sink._thread.is_alive(), timeout=5)  # before the fix: 60 s
+    stuck.close()

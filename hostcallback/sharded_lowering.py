@@ -88,31 +88,37 @@ def lower_on_one_device(ctx, args, *, device_index, **params):
         *outs, failed = outside_call_p.bind(*xs, device_index=device_index,
                                             emit_device=emit_device, **call_params)
         shared = [_share_from_caller(out, axis) for out in outs]
-        return shared_call_check_p.bind(jax.lax.psum(failed, axis), *shared,
-                                        consumer_id=params["consumer_id"],
-                                        transport=params["transport"])
+        # The check passes the flag through too, and the region returns it, so that the check
+        # is kept also for a call without results; the lowering drops it again.
+        checked_flag, *checked = shared_call_check_p.bind(
+            jax.lax.psum(failed, axis), *shared, consumer_id=params["consumer_id"],
+            transport=params["transport"])
+        return [*checked, checked_flag]
 
     replicated = jax.sharding.PartitionSpec()
     region = jax.shard_map(tap_on_every_device, mesh=mesh, in_specs=replicated,
                            out_specs=replicated, check_vma=False)
     # The avals may carry the outer computation's sharding; inside the region they are whole.
-    region_ctx = dataclasses.replace(ctx, avals_in=_plain(ctx.avals_in),
-                                     avals_out=_plain(ctx.avals_out))
+    is_call = params["result_avals"] is not None
+    region_ctx = dataclasses.replace(
+        ctx, avals_in=_plain(ctx.avals_in),
+        avals_out=_plain(ctx.avals_out) + ([_FAILURE_FLAG] if is_call else []))
     with _outside_user_mesh():
         outs = mlir.lower_fun(region, multiple_results=True)(region_ctx, *args)
     if region_ctx.tokens_out is not None:
         ctx.set_tokens_out(region_ctx.tokens_out)
-    return outs
+    return outs[:-1] if is_call else outs
 
 
 _FAILURE_FLAG = core.ShapedArray((), np.uint32)  # the last result of a shared call (native.py)
 
 # After a shared call: fails every device with the call's reason if the summed flag says it
-# failed, else passes the shared results through (transport/native.py, transport/callback.py).
+# failed, else passes the flag and the shared results through (transport/native.py,
+# transport/callback.py).
 shared_call_check_p = core.Primitive("hostcallback_shared_call_check")
 shared_call_check_p.multiple_results = True
 shared_call_check_p.def_abstract_eval(
-    lambda failed, *values, **params: [core.ShapedArray(v.shape, v.dtype) for v in values])
+    lambda *operands, **params: [core.ShapedArray(v.shape, v.dtype) for v in operands])
 
 
 def _check_lowering(ctx, failed, *values, consumer_id, transport, platform):

@@ -270,3 +270,38 @@ def test_a_partitioned_tap_of_a_value_that_does_not_split_evenly_says_what_to_do
         jnp.arange(6.0) + n, sharding), partitioned=True))
     with pytest.raises(Exception, match="needs shards of equal size.*Pad it"):
         step(0.0)
+
+
+CALLS_WITHOUT_RESULTS = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+import hostcallback as hcb
+
+mesh = jax.make_mesh((4,), ("d",))
+x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("d")))
+seen = []
+def record(v):
+    seen.append(float(v.sum()))
+def bad(v):
+    raise ValueError("boom")
+for result_shape in (None, ()):
+    out = jax.jit(lambda x: (hcb.call(record, x, result_shape=result_shape), x * 2)[1])(x)
+    print("ran:", out.tolist()[:2], seen)
+    try:
+        jax.jit(lambda x: (hcb.call(bad, x, result_shape=result_shape), x * 2)[1])(
+            x).block_until_ready()
+        print("no error")
+    except Exception as error:
+        print("failed:", "ValueError: boom" in str(error))
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_call_without_results_in_a_sharded_jit_runs_once_and_fails_clearly(transport):
+    from conftest import run_python
+
+    result = run_python(CALLS_WITHOUT_RESULTS, env={"HOSTCALLBACK_TRANSPORT": transport},
+                        timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-4:] == [
+        "ran: [0.0, 2.0] [28.0]", "failed: True", "ran: [0.0, 2.0] [28.0, 28.0]", "failed: True"]

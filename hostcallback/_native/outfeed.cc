@@ -749,10 +749,21 @@ ffi::Error CallImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_d
       problem = "hostcallback: " + bad;
     } else {
       std::vector<ArrayView> arrays;
-      if (ffi::Error error = CollectArrays(args, &arrays); error.failure()) return error;
-      problem = CallHost(NativeQueueFor(device_ordinal), device_ordinal, consumer_id, arrays,
-                         timeout_s, &response);
-      if (problem.empty()) problem = response.error;
+      try {
+        if (ffi::Error error = CollectArrays(args, &arrays); error.failure()) {
+          problem = "hostcallback: " + error.message();
+        } else {
+          problem = CallHost(NativeQueueFor(device_ordinal), device_ordinal, consumer_id, arrays,
+                             timeout_s, &response);
+          if (problem.empty()) problem = response.error;
+        }
+      } catch (const std::bad_alloc&) {
+        if (!shared) throw;
+        problem = "hostcallback: out of host memory for a call record";
+      } catch (const std::exception& e) {
+        if (!shared) throw;
+        problem = std::string("hostcallback: ") + e.what();
+      }
     }
     const size_t results = rets.size() - (shared ? 1 : 0);  // the flag comes last
     size_t next = 0;
@@ -787,7 +798,8 @@ ffi::Error CallImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_d
 }
 
 // After a shared call's results and failure flags were summed over the devices: fails with the
-// call's reason when any device failed, else passes the values through.
+// call's reason when any device failed, else passes its operands (the flag, then the values)
+// through.
 ffi::Error CheckImpl(uint64_t consumer_id, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   return Guarded([&]() -> ffi::Error {
     ffi::ErrorOr<ffi::AnyBuffer> flag = args.get<ffi::AnyBuffer>(0);
@@ -803,7 +815,7 @@ ffi::Error CheckImpl(uint64_t consumer_id, ffi::RemainingArgs args, ffi::Remaini
               : "hostcallback: the call failed on a device of another process (its log says why)");
     }
     for (size_t i = 0; i < rets.size(); ++i) {
-      ffi::ErrorOr<ffi::AnyBuffer> in = args.get<ffi::AnyBuffer>(i + 1);
+      ffi::ErrorOr<ffi::AnyBuffer> in = args.get<ffi::AnyBuffer>(i);
       ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
       if (!in.has_value()) return in.error();
       if (!ret.has_value()) return ret.error();

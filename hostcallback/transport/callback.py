@@ -78,10 +78,11 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, r
                                    timeout_s, platform=device.platform)
             results = tuple(np.frombuffer(answer, dtype=dtype).reshape(shape)
                             for answer, (shape, dtype) in zip(answers, shapes))
-        except (RuntimeError, ValueError) as error:
+        except BaseException as error:  # noqa: BLE001 - shared: every error becomes the flag
             if not shared:
                 raise
-            _shared_call_failures[consumer_id] = str(error)
+            _shared_call_failures[consumer_id] = f"{type(error).__name__}: {error}" \
+                if not isinstance(error, RuntimeError) else str(error)
             return zeros()[:-1] + (np.uint32(1),)
         return results + (np.uint32(0),) if shared else results
 
@@ -103,18 +104,19 @@ _shared_call_failures: dict[int, str] = {}
 
 def check(ctx, failed, values, *, consumer_id: int, op_sharding):
     """After a shared call's results and failure flags were summed over the devices: every
-    device fails with the call's reason when any failed, else passes the values through."""
+    device fails with the call's reason when any failed, else passes the flag and the values
+    through."""
     def check_on_host(failed, *values):
         if failed:
             raise RuntimeError(_shared_call_failures.get(
                 consumer_id, "hostcallback: the call failed on a device of another process "
                              "(its log says why)"))
-        return values
+        return (failed, *values)
 
-    value_avals = list(ctx.avals_in[1:])
-    callback_ctx = dataclasses.replace(ctx, avals_out=value_avals)
+    avals = list(ctx.avals_in)
+    callback_ctx = dataclasses.replace(ctx, avals_out=avals)
     results, _, _ = jax_callback.emit_python_callback(
-        callback_ctx, check_on_host, None, [failed, *values], list(ctx.avals_in), value_avals,
+        callback_ctx, check_on_host, None, [failed, *values], avals, avals,
         has_side_effect=True, returns_token=False, sharding=op_sharding)
     return list(results)
 

@@ -53,8 +53,8 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, r
 
 def check(ctx, failed, values, *, consumer_id: int, op_sharding):
     """After a shared call's results and failure flags were summed over the devices (see the
-    handler): every device fails with the call's reason when any failed, else passes the values
-    through."""
+    handler): every device fails with the call's reason when any failed, else passes the flag and
+    the values through."""
     results = _lower_check(ctx, failed, *values, consumer_id=np.uint64(consumer_id))
     if op_sharding is not None:
         mlir.set_sharding(ctx.module_context, results[0].owner, op_sharding)

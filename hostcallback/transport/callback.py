@@ -78,7 +78,7 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, r
                                    timeout_s, platform=device.platform)
             results = tuple(np.frombuffer(answer, dtype=dtype).reshape(shape)
                             for answer, (shape, dtype) in zip(answers, shapes))
-        except BaseException as error:  # noqa: BLE001 - shared: every error becomes the flag
+        except BaseException as error:  # shared: every error becomes the flag, see above
             if not shared:
                 raise
             _shared_call_failures[consumer_id] = f"{type(error).__name__}: {error}" \

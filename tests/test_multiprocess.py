@@ -23,6 +23,35 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def run_cluster(tmp_path, worker: Path, steps: int, transport: str, run: str,
+                expected_records: int) -> list:
+    """Runs ``worker`` as two jax.distributed processes of 2 CPU devices each, streaming to one
+    collector, to the end; returns the records of ``run`` the collector wrote."""
+    server = CollectorThread(tmp_path / "collected").start()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               HOSTCALLBACK_TRANSPORT=transport, JAX_PLATFORMS="cpu")
+    coordinator = free_port()
+    try:
+        workers = [subprocess.Popen(
+            [sys.executable, str(worker), str(coordinator), str(process), str(server.port),
+             str(steps)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for process in range(2)]
+        try:
+            outputs = [w.communicate(timeout=240)[0] for w in workers]
+        finally:
+            for w in workers:
+                if w.poll() is None:
+                    w.kill()
+                    w.wait()
+        assert [w.returncode for w in workers] == [0, 0], "\n".join(outputs)
+        deadline = time.monotonic() + 10
+        while server.collector.records_written < expected_records and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return list(read_records(server.collector.path_for(run)))
+    finally:
+        server.stop()
+
+
 @pytest.mark.timeout(300)
 def test_every_process_device_and_step_arrives_exactly_once_across_a_collector_restart(tmp_path):
     port = free_port()

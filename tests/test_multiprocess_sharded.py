@@ -1,49 +1,22 @@
 """Two processes x two devices, a sharded jit step (no shard_map), both transports: every
 (process, device, step) record reaches one collector exactly once, with the right values."""
 
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from consumer import read_records
-from consumer.collector import CollectorThread
-from tests.test_multiprocess import free_port
+from tests.test_multiprocess import run_cluster
 
 WORKER = Path(__file__).with_name("multiprocess_sharded_worker.py")
 STEPS = 20
 EXPECTED_RECORDS = STEPS * (1 + 1 + 4)  # two whole-value taps and four shards per step
 
 
-def _run_cluster(tmp_path, transport):
-    server = CollectorThread(tmp_path / "collected").start()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               HOSTCALLBACK_TRANSPORT=transport, JAX_PLATFORMS="cpu")
-    coordinator = free_port()
-    try:
-        workers = [subprocess.Popen(
-            [sys.executable, str(WORKER), str(coordinator), str(process), str(server.port),
-             str(STEPS)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for process in range(2)]
-        outputs = [worker.communicate(timeout=240)[0] for worker in workers]
-        assert [w.returncode for w in workers] == [0, 0], "\n".join(outputs)
-        deadline = time.monotonic() + 10
-        while (server.collector.records_written < EXPECTED_RECORDS
-               and time.monotonic() < deadline):
-            time.sleep(0.05)
-        return list(read_records(server.collector.path_for("sharded")))
-    finally:
-        server.stop()
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("transport", ["native", "callback"])
 def test_sharded_jit_taps_reach_the_collector_exactly_once(tmp_path, transport):
-    records = _run_cluster(tmp_path, transport)
+    records = run_cluster(tmp_path, WORKER, STEPS, transport, "sharded", EXPECTED_RECORDS)
     keys = [(r.name, r.process, r.device_id, r.step) for r in records]
     assert len(keys) == len(set(keys)) == EXPECTED_RECORDS
     # Device ids are global: 0 and 1 on process 0, 2048 and 2049 on process 1 (XLA's CPU client).

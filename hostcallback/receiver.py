@@ -288,7 +288,8 @@ class ReceiverPool:
                     batch, markers = outfeed.drain(ordinal, _DRAIN_RECORDS, _DRAIN_BYTES,
                                                    _POLL_SECONDS, platform=platform,
                                                    coalesce_s=_COALESCE_SECONDS)
-                except Exception as error:  # noqa: BLE001 - e.g. MemoryError: records stay queued
+                except Exception as error:  # noqa: BLE001 - e.g. MemoryError; records not yet
+                    # taken stay queued, a batch already taken is lost (the barrier says why)
                     self._record_failure("receiver", "drain()", device, error)
                     time.sleep(_DRAIN_RETRY_SECONDS)
                     continue
@@ -416,9 +417,11 @@ class ReceiverPool:
 
     def _raise_if_dead(self) -> None:
         with self._lock:
-            dead = dict(self._dead)
-        if dead:
-            raise CallbackException("; ".join(dead.values()))
+            self._raise_if_dead_locked()
+
+    def _raise_if_dead_locked(self) -> None:
+        if self._dead:
+            raise CallbackException("; ".join(self._dead.values()))
 
     def _wait_for_markers(self, logging_name: str | None, timeout: float | None) -> None:
         with self._lock:
@@ -450,8 +453,7 @@ class ReceiverPool:
         with self._lock:
             try:
                 while True:
-                    if self._dead:
-                        raise CallbackException("; ".join(self._dead.values()))
+                    self._raise_if_dead_locked()
                     if send_errors:
                         raise send_errors[0]
                     behind = [k for k in self._devices if not expected[k] <= self._markers[k]]

@@ -30,6 +30,7 @@ import msgpack
 import numpy as np
 
 import hostcallback
+from consumer.frame_templates import FrameTemplate, make_template, step_of
 from consumer.stream import (
     ACK,
     FRAME,
@@ -44,6 +45,7 @@ from consumer.stream import (
     frame_item,
     stream_header,
 )
+from hostcallback.batches import RecordBatch
 from hostcallback.receiver import current_record, receivers
 
 logger = logging.getLogger("hostcallback.sinks")
@@ -72,6 +74,11 @@ class FrameSink(Sink):
     def emit_frame(self, data: bytes, name: str) -> None:
         """Writes one framed record; ``name`` is the record's, for messages."""
         raise NotImplementedError
+
+    def emit_frames(self, frames: list[bytes], name: str) -> None:
+        """Writes several framed records of one tap site, in order (a receiver's batch)."""
+        for data in frames:
+            self.emit_frame(data, name)
 
 
 def _takes_frames(sink: Sink) -> bool:
@@ -105,7 +112,11 @@ class SinkTap:
         self._host = socket.gethostname()
         self._devices: dict[Any, tuple[str, int]] = {}
         self._targets = tuple((sink, _takes_frames(sink)) for sink in self.sinks)
+        self._frame_sinks = tuple(sink for sink, frames in self._targets if frames)
+        self._record_sinks = tuple(sink for sink, frames in self._targets if not frames)
         self._framer: RecordFramer | None = None  # built by the first record (process index)
+        # (consumer id, device id) -> its FrameTemplate, or None: framed in Python
+        self._templates: dict[tuple[int, int], FrameTemplate | None] = {}
 
     def _key(self):
         return (tuple(map(id, self.sinks)), self.name, repr(sorted(self.metadata.items())))
@@ -118,10 +129,7 @@ class SinkTap:
 
     def __call__(self, arg, transforms, device=None) -> None:
         context = current_record()
-        step = arg.get("step") if isinstance(arg, dict) else None
-        if step is not None:
-            step = int(step) if getattr(step, "ndim", 1) == 0 else \
-                int(np.asarray(step).reshape(-1)[0])
+        step = step_of(arg)
         if context is None:
             device_name, device_id, sequence = "", -1, -1
         else:
@@ -139,12 +147,55 @@ class SinkTap:
                 sink.emit_frame(data, self.name)
             else:
                 if record is None:
-                    record = TapRecord(
-                        name=self.name, value=arg, metadata=dict(self.metadata), step=step,
-                        process=_process_index(), host=self._host, device=device_name,
-                        device_id=device_id, sequence=sequence, time=now,
-                        transforms=list(transforms))
+                    record = self._record(arg, step, device_name, device_id, sequence, now,
+                                          transforms)
                 sink.emit(record)
+
+    def tap_batch(self, batch: RecordBatch) -> None:
+        """The receiver's runs of records (hostcallback.batches): each FrameSink gets the
+        run's frames in one call, put together in C++ where the tap site has a FrameTemplate;
+        the other sinks get a TapRecord per record, as from a call per record."""
+        device_name, device_id = (self._devices.get(batch.device)
+                                  or self._device_fields(batch.device))
+        if self._frame_sinks:
+            frames = self._frames(batch, device_name, device_id)
+            for sink in self._frame_sinks:
+                sink.emit_frames(frames, self.name)
+        if self._record_sinks:
+            transforms = batch.transforms
+            for value, sequence in zip(batch.values(), batch.sequences()):
+                record = self._record(value, step_of(value), device_name, device_id, sequence,
+                                      time.time(), transforms)
+                for sink in self._record_sinks:
+                    sink.emit(record)
+
+    def _frames(self, batch: RecordBatch, device_name: str, device_id: int) -> list[bytes]:
+        key = (batch.consumer_id, device_id)
+        if key not in self._templates:
+            self._templates[key] = make_template(batch, {
+                "name": self.name, "metadata": dict(self.metadata),
+                "process": _process_index(), "host": self._host, "device": device_name,
+                "device_id": device_id})
+        template = self._templates[key]
+        if template is not None:
+            try:
+                return template.frames(batch)
+            except ValueError as error:  # a record its template does not describe: never lost
+                logger.warning("hostcallback: records of %r are framed in Python from now on: "
+                               "%s", self.name, error)
+                self._templates[key] = None
+        framer = self._framer or self._make_framer()
+        transforms = batch.transforms
+        return [framer.frame(value, step_of(value), device_name, device_id, sequence,
+                             time.time(), transforms)
+                for value, sequence in zip(batch.values(), batch.sequences())]
+
+    def _record(self, value, step, device_name, device_id, sequence, now,
+                transforms) -> TapRecord:
+        return TapRecord(name=self.name, value=value, metadata=dict(self.metadata), step=step,
+                         process=_process_index(), host=self._host, device=device_name,
+                         device_id=device_id, sequence=sequence, time=now,
+                         transforms=list(transforms))
 
     def _make_framer(self) -> RecordFramer:
         self._framer = RecordFramer(self.name, self.metadata, _process_index(), self._host)
@@ -212,6 +263,15 @@ class FileSink(FrameSink):
                     and self._file.tell() > 0:
                 self._rotate()
             self._file.write(data)
+
+    def emit_frames(self, frames: list[bytes], name: str) -> None:
+        if self.max_bytes:  # rotation is decided frame by frame
+            super().emit_frames(frames, name)
+            return
+        with self._lock:
+            if self._file is None:
+                raise ValueError(f"FileSink({self.path!r}) is closed")
+            self._file.write(b"".join(frames))
 
     def flush(self) -> None:
         with self._lock:

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 from jax._src import core
 
-from hostcallback import config, results, wire
+from hostcallback import batches, config, results, wire
 from hostcallback._native import outfeed
 from hostcallback.registry import BARRIER_MARKER_ID, ConsumerRegistry, registry
 
@@ -333,24 +333,33 @@ class ReceiverPool:
         """Calls the consumer of each record of a batch, in order. The per-record path is a
         dict lookup, an unflatten and the call: the records come decoded from C++, the
         consumer's context is built only if it asks (current_record()), and the delivered
-        count is kept per batch by the caller."""
+        count is kept per batch by the caller. A tap function with ``tap_batch`` gets each run
+        of its records in one call (hostcallback.batches)."""
         consumers = self._consumers.by_id
         current = _current
-        for record in batch:  # (consumer_id, device, sequence, flags, arrays or why not)
+        index, count = 0, len(batch)
+        while index < count:
+            record = batch[index]  # (consumer_id, device, sequence, flags, arrays or why not)
+            end = index + 1
             try:
                 consumer = consumers.get(record[0]) or self._consumers.get(record[0])
                 if record[4].__class__ is str:
                     raise wire.UndecodableRecordError(
                         f"a tap record could not be decoded: {record[4]}")
-                current.record = record
-                result = consumer.call(record[4], device)
-                current.record = None
-                if record[3] & wire.FLAG_EXPECTS_RESPONSE:
-                    outfeed.respond(key[1], record[2], results.result_leaves(consumer, result),
-                                    platform=key[0])
+                if consumer.tap_batch is not None:  # its whole run of records in one call
+                    end = batches.run_end(batch, index)
+                    consumer.tap_batch(batches.RecordBatch(batch, index, end, consumer, device))
+                else:
+                    current.record = record
+                    result = consumer.call(record[4], device)
+                    current.record = None
+                    if record[3] & wire.FLAG_EXPECTS_RESPONSE:
+                        outfeed.respond(key[1], record[2], results.result_leaves(consumer, result),
+                                        platform=key[0])
             except BaseException as error:  # noqa: BLE001 - nothing a consumer raises stops us
                 current.record = None
                 self._consumer_failed(key, device, record, _without_locals(error))
+            index = end
         # A kept failure's traceback reaches this frame (its frames' f_back): let go of the batch.
         batch = record = None
 

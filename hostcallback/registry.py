@@ -43,17 +43,29 @@ class Consumer:
     # A call traced with x64 on accepts only exact result dtypes (no float64 -> float32).
     x64: bool = False
 
+    # A tap function's ``tap_batch`` method (hostcallback.batches), taken once; never a call's.
+    tap_batch: Callable[..., Any] | None = dataclasses.field(
+        default=None, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.is_call:
+            object.__setattr__(self, "tap_batch", getattr(self.func, "tap_batch", None))
+
     @property
     def is_call(self) -> bool:
         return self.result_treedef is not None
 
-    def call(self, leaves, device) -> Any:
-        """Rebuilds the tapped pytree and calls the consumer the way the legacy API did:
-        taps as func(arg, transforms), calls as func(arg), each with device=d when asked."""
+    def arg_of(self, leaves) -> Any:
+        """The tapped pytree, rebuilt from a record's leaves (key data as key arrays)."""
         if self.key_impls:
             leaves = [_as_key(leaf, impl) if impl else leaf
                       for leaf, impl in zip(leaves, self.key_impls)]
-        arg = tree_util.tree_unflatten(self.treedef, leaves)
+        return tree_util.tree_unflatten(self.treedef, leaves)
+
+    def call(self, leaves, device) -> Any:
+        """Rebuilds the tapped pytree and calls the consumer the way the legacy API did:
+        taps as func(arg, transforms), calls as func(arg), each with device=d when asked."""
+        arg = self.arg_of(leaves)
         args = (arg,) if self.is_call else (arg, self.transforms_for(device))
         if self.with_device:
             return self.func(*args, device=device)

@@ -1208,6 +1208,9 @@ void SetMaxQueueBytes(uint64_t n) {
 
 }  // namespace
 
+// frames.cc: record-stream frames for the sinks, many records at once.
+void DefineFrameFunctions(nb::module_& m);
+
 NB_MODULE(_hostcallback_outfeed, m) {
   m.doc() = "hostcallback's native outfeed queues and XLA FFI handlers";
   if (_import_array() < 0) throw nb::python_error();
@@ -1256,6 +1259,7 @@ NB_MODULE(_hostcallback_outfeed, m) {
         "Bytes of free record buffers kept for reuse.");
   m.def("pool_stats", []() { return g_pool.Stats(); },
         "The buffer pool: pooled_bytes (free), in_use_bytes, hits and misses (64 KiB and up).");
+  DefineFrameFunctions(m);
   m.attr("NATIVE_PLATFORM") = kNativePlatform;
   m.attr("WIRE_VERSION") = kVersion;
 }

@@ -1,0 +1,253 @@
+// Record-stream frames for many drained records at once (consumer/stream.py, "Record stream
+// format").
+//
+// The records of one tap site from one device differ only in their arrays' bytes, the step,
+// the sequence number and the time; every other byte of their frames is the same. Python
+// (consumer/stream.py, FrameTemplate) packs those fixed bytes once, as pieces around the holes,
+// and checks the result against its general encoder before using it. Here each record's frame
+// is put together from the pieces: the arrays' bytes copied in, the three numbers packed as
+// msgpack-python packs a Python int and float, and the frame's CRC-32. Nothing here decides
+// what a record holds; a record that does not fit its template is refused with a ValueError,
+// never written.
+
+#include <cstdint>
+#include <cstring>
+#include <ctime>
+#include <string>
+#include <vector>
+
+#include <Python.h>
+
+#include "nanobind/nanobind.h"
+#include "nanobind/stl/string.h"
+#include "nanobind/stl/vector.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+// CRC-32 as zlib.crc32 computes it (reflected polynomial 0xEDB88320), eight bytes a step.
+struct Crc32Tables {
+  uint32_t t[8][256];
+  Crc32Tables() {
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      t[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; ++i) {
+      for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xFF];
+    }
+  }
+};
+
+// Never destroyed: made on first use under the GIL, like every caller.
+const Crc32Tables& Tables() {
+  static const Crc32Tables* tables = new Crc32Tables();
+  return *tables;
+}
+
+uint32_t Crc32(const uint8_t* data, size_t n) {
+  const Crc32Tables& tb = Tables();
+  uint32_t c = 0xFFFFFFFFu;
+  while (n >= 8) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, data, 4);
+    std::memcpy(&hi, data + 4, 4);
+    lo ^= c;  // little-endian hosts only (the whole core assumes it: the wire format is native)
+    c = tb.t[7][lo & 0xFF] ^ tb.t[6][(lo >> 8) & 0xFF] ^ tb.t[5][(lo >> 16) & 0xFF] ^
+        tb.t[4][lo >> 24] ^ tb.t[3][hi & 0xFF] ^ tb.t[2][(hi >> 8) & 0xFF] ^
+        tb.t[1][(hi >> 16) & 0xFF] ^ tb.t[0][hi >> 24];
+    data += 8;
+    n -= 8;
+  }
+  while (n--) c = tb.t[0][(c ^ *data++) & 0xFF] ^ (c >> 8);
+  return c ^ 0xFFFFFFFFu;
+}
+
+// ---- msgpack, as msgpack-python packs a Python int and a Python float ----------------------
+
+size_t PutBigEndian(uint8_t* out, uint64_t value, size_t bytes) {
+  for (size_t i = 0; i < bytes; ++i) out[i] = static_cast<uint8_t>(value >> (8 * (bytes - 1 - i)));
+  return bytes;
+}
+
+// The smallest encoding: positive fixint, then uint 8/16/32/64.
+size_t PackUnsigned(uint8_t* out, uint64_t v) {
+  if (v < 0x80) return out[0] = static_cast<uint8_t>(v), 1;
+  if (v < 0x100) return out[0] = 0xcc, 1 + PutBigEndian(out + 1, v, 1);
+  if (v < 0x10000) return out[0] = 0xcd, 1 + PutBigEndian(out + 1, v, 2);
+  if (v < 0x100000000ull) return out[0] = 0xce, 1 + PutBigEndian(out + 1, v, 4);
+  return out[0] = 0xcf, 1 + PutBigEndian(out + 1, v, 8);
+}
+
+// Negative numbers: negative fixint from -32, then int 8/16/32/64.
+size_t PackSigned(uint8_t* out, int64_t v) {
+  if (v >= 0) return PackUnsigned(out, static_cast<uint64_t>(v));
+  const uint64_t bits = static_cast<uint64_t>(v);
+  if (v >= -32) return out[0] = static_cast<uint8_t>(bits), 1;
+  if (v >= -128) return out[0] = 0xd0, 1 + PutBigEndian(out + 1, bits, 1);
+  if (v >= -32768) return out[0] = 0xd1, 1 + PutBigEndian(out + 1, bits, 2);
+  if (v >= -2147483648ll) return out[0] = 0xd2, 1 + PutBigEndian(out + 1, bits, 4);
+  return out[0] = 0xd3, 1 + PutBigEndian(out + 1, bits, 8);
+}
+
+size_t PackDouble(uint8_t* out, double value) {
+  uint64_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  out[0] = 0xcb;
+  return 1 + PutBigEndian(out + 1, bits, 8);
+}
+
+constexpr size_t kMaxPackedNumber = 9;
+constexpr uint8_t kNil = 0xc0;
+// The frame header: the sync marker b"\xc1hcb", then the payload's length and CRC-32, both
+// little-endian uint32 (consumer/stream.py: SYNC, FRAME).
+constexpr uint8_t kSync[4] = {0xc1, 'h', 'c', 'b'};
+constexpr size_t kFrameHeaderBytes = 12;
+
+// A step read from the step leaf's first element, packed as msgpack-python packs int(step).
+size_t PackStep(uint8_t* out, const uint8_t* at, char kind, size_t size) {
+  if (kind == 'b') return PackUnsigned(out, at[0] != 0);
+  if (kind == 'u') {
+    uint64_t v = 0;
+    if (size == 1) v = at[0];
+    if (size == 2) { uint16_t x; std::memcpy(&x, at, 2); v = x; }
+    if (size == 4) { uint32_t x; std::memcpy(&x, at, 4); v = x; }
+    if (size == 8) std::memcpy(&v, at, 8);
+    return PackUnsigned(out, v);
+  }
+  int64_t v = 0;
+  if (size == 1) { int8_t x; std::memcpy(&x, at, 1); v = x; }
+  if (size == 2) { int16_t x; std::memcpy(&x, at, 2); v = x; }
+  if (size == 4) { int32_t x; std::memcpy(&x, at, 4); v = x; }
+  if (size == 8) std::memcpy(&v, at, 8);
+  return PackSigned(out, v);
+}
+
+double WallClockSeconds() {  // what time.time() returns
+  timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  return static_cast<double>(now.tv_sec) + static_cast<double>(now.tv_nsec) * 1e-9;
+}
+
+// The leaf buffers of one record, released however the frame ends.
+class LeafBuffers {
+ public:
+  explicit LeafBuffers(size_t count) { views_.reserve(count); }
+  ~LeafBuffers() {
+    for (Py_buffer& view : views_) PyBuffer_Release(&view);
+  }
+  LeafBuffers(const LeafBuffers&) = delete;
+  LeafBuffers& operator=(const LeafBuffers&) = delete;
+
+  // A C-contiguous buffer of exactly `bytes` bytes, or a ValueError.
+  const Py_buffer& Add(PyObject* leaf, size_t bytes) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(leaf, &view, PyBUF_C_CONTIGUOUS) != 0) {
+      PyErr_Clear();
+      throw nb::value_error("a record's array is not a C-contiguous buffer");
+    }
+    views_.push_back(view);
+    if (static_cast<size_t>(view.len) != bytes) {
+      throw nb::value_error("a record's array does not have its template's size");
+    }
+    return views_.back();
+  }
+
+ private:
+  std::vector<Py_buffer> views_;
+};
+
+// Frames records[start:stop], each drained record being (consumer_id, device, sequence, flags,
+// arrays). pieces holds len(leaf_bytes) + 4 fixed byte strings: before each array's bytes, then
+// before the step, before the sequence, before the time, and after it. step_leaf < 0: no step
+// (nil); else the step is that array's first element, of kind 'i', 'u' or 'b' and step_size
+// bytes. now < 0: each record's time is the wall clock as it is framed.
+nb::list FrameRecords(nb::list records, size_t start, size_t stop,
+                      const std::vector<nb::bytes>& pieces, const std::vector<size_t>& leaf_bytes,
+                      int step_leaf, const std::string& step_kind, size_t step_size, double now) {
+  const size_t leaves = leaf_bytes.size();
+  if (pieces.size() != leaves + 4) throw nb::value_error("a template needs len(leaf_bytes) + 4 pieces");
+  if (stop > records.size() || start > stop) throw nb::value_error("start:stop is outside records");
+  const bool has_step = step_leaf >= 0;
+  if (has_step) {
+    if (static_cast<size_t>(step_leaf) >= leaves) throw nb::value_error("step_leaf is not a leaf");
+    if (step_kind.size() != 1 || std::string("iub").find(step_kind[0]) == std::string::npos ||
+        (step_size != 1 && step_size != 2 && step_size != 4 && step_size != 8) ||
+        leaf_bytes[step_leaf] < step_size) {
+      throw nb::value_error("the step must be an integer or bool array with an element");
+    }
+  }
+  size_t fixed = kFrameHeaderBytes + 3 * kMaxPackedNumber;
+  for (const nb::bytes& piece : pieces) fixed += piece.size();
+  for (size_t bytes : leaf_bytes) fixed += bytes;
+
+  nb::list out;
+  std::vector<const uint8_t*> data(leaves);
+  for (size_t r = start; r < stop; ++r) {
+    PyObject* record = PyList_GET_ITEM(records.ptr(), r);
+    if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != 5 ||
+        !PyList_Check(PyTuple_GET_ITEM(record, 4)) ||
+        static_cast<size_t>(PyList_GET_SIZE(PyTuple_GET_ITEM(record, 4))) != leaves) {
+      throw nb::value_error("a record does not have its template's arrays");
+    }
+    const unsigned long long sequence = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(record, 2));
+    if (PyErr_Occurred()) throw nb::python_error();
+    PyObject* arrays = PyTuple_GET_ITEM(record, 4);
+    LeafBuffers buffers(leaves);
+    for (size_t i = 0; i < leaves; ++i) {
+      data[i] = static_cast<const uint8_t*>(buffers.Add(PyList_GET_ITEM(arrays, i), leaf_bytes[i]).buf);
+    }
+    // Sized for the longest numbers, then cut to what was written.
+    nb::object frame = nb::steal(PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(fixed)));
+    if (!frame.is_valid()) throw nb::python_error();
+    uint8_t* const begin = reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(frame.ptr()));
+    uint8_t* at = begin + kFrameHeaderBytes;
+    auto put = [&at](const void* bytes, size_t n) {
+      if (n) std::memcpy(at, bytes, n);
+      at += n;
+    };
+    for (size_t i = 0; i < leaves; ++i) {
+      put(pieces[i].c_str(), pieces[i].size());
+      put(data[i], leaf_bytes[i]);
+    }
+    put(pieces[leaves].c_str(), pieces[leaves].size());
+    if (has_step) {
+      at += PackStep(at, data[step_leaf], step_kind[0], step_size);
+    } else {
+      *at++ = kNil;
+    }
+    put(pieces[leaves + 1].c_str(), pieces[leaves + 1].size());
+    at += PackUnsigned(at, sequence);
+    put(pieces[leaves + 2].c_str(), pieces[leaves + 2].size());
+    at += PackDouble(at, now < 0 ? WallClockSeconds() : now);
+    put(pieces[leaves + 3].c_str(), pieces[leaves + 3].size());
+
+    const size_t payload = static_cast<size_t>(at - begin) - kFrameHeaderBytes;
+    if (payload > UINT32_MAX) throw nb::value_error("a record's frame is over 4 GiB");
+    const uint32_t length = static_cast<uint32_t>(payload);
+    const uint32_t crc = Crc32(begin + kFrameHeaderBytes, payload);
+    std::memcpy(begin, kSync, 4);
+    std::memcpy(begin + 4, &length, 4);  // little-endian, as the frame header is
+    std::memcpy(begin + 8, &crc, 4);
+    PyObject* raw = frame.release().ptr();
+    if (_PyBytes_Resize(&raw, static_cast<Py_ssize_t>(at - begin)) != 0) throw nb::python_error();
+    out.append(nb::steal(raw));
+  }
+  return out;
+}
+
+}  // namespace
+
+void DefineFrameFunctions(nb::module_& m) {
+  m.def("frame_records", &FrameRecords, nb::arg("records"), nb::arg("start"), nb::arg("stop"),
+        nb::arg("pieces"), nb::arg("leaf_bytes"), nb::arg("step_leaf"), nb::arg("step_kind"),
+        nb::arg("step_size"), nb::arg("now") = -1.0,
+        "Record-stream frames (a list of bytes) for drained records[start:stop] of one tap "
+        "site and device, from consumer.stream.FrameTemplate's pieces; a ValueError for a "
+        "record that does not fit them.");
+  m.def("crc32", [](nb::bytes data) {
+    return Crc32(reinterpret_cast<const uint8_t*>(data.c_str()), data.size());
+  }, nb::arg("data"), "CRC-32 as zlib.crc32 computes it (for tests).");
+}

@@ -50,6 +50,20 @@ def test_a_record_larger_than_the_budget_is_still_delivered(transport, collector
     np.testing.assert_array_equal(collector.values[0], value)
 
 
+def test_large_taps_copied_on_several_threads_arrive_intact_on_every_device(transport,
+                                                                          collector):
+    # Over 1 MiB, not a whole number of the copy's 256 KiB chunks, different on each device.
+    values = np.random.default_rng(0).integers(0, 255, (4, (5 << 18) + 12345), np.uint8)
+    jax.pmap(lambda x: lax.fori_loop(0, 3, lambda i, c: hcb.id_tap(
+        collector, c, tap_with_device=True) + 1, x))(values)
+    hcb.barrier_wait()
+    by_device = {}
+    for value, _, device in collector.calls:
+        by_device.setdefault(device.id, []).append(value.tobytes())
+    assert by_device == {device.id: [(values[i] + k).astype(np.uint8).tobytes() for k in range(3)]
+                         for i, device in enumerate(jax.local_devices())}
+
+
 def test_statistics_count_records_and_bytes(transport, collector):
     before = device_stats()
     jax.jit(lambda x: lax.fori_loop(0, 10, lambda i, c: hcb.id_tap(collector, c), x))(

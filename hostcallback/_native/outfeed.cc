@@ -27,6 +27,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <map>
 #include <set>
 #include <stdexcept>
@@ -189,13 +190,67 @@ BufferPool& g_pool = *new BufferPool();
 
 void ReleaseRecord(const Record& record) noexcept { g_pool.Put(record.data, record.capacity); }
 
+// ---- copying large arrays ---------------------------------------------------------------------
+
+// Arrays of at least this many bytes are copied by several of XLA's intra-op threads at once,
+// as XLA's own fusions run, in chunks of kCopyChunkBytes.
+constexpr size_t kParallelCopyBytes = size_t{1} << 20;
+constexpr size_t kCopyChunkBytes = size_t{256} << 10;
+
+// The chunks of one copy. The calling thread copies chunks too and waits only for chunks that
+// another thread has begun, never for a helper that has not started: so the copy finishes even
+// when every pool thread is busy, and a helper that starts late finds nothing left and touches
+// neither buffer. Shared, not on the stack, because such a helper may run after the handler
+// returned.
+struct ChunkedCopy {
+  ChunkedCopy(uint8_t* to, const uint8_t* from, size_t n)
+      : dst(to), src(from), bytes(n), chunks((n + kCopyChunkBytes - 1) / kCopyChunkBytes) {}
+
+  void CopyChunks() noexcept {
+    for (size_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      const size_t begin = c * kCopyChunkBytes;
+      std::memcpy(dst + begin, src + begin, std::min(kCopyChunkBytes, bytes - begin));
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+
+  uint8_t* const dst;
+  const uint8_t* const src;
+  const size_t bytes, chunks;
+  std::atomic<size_t> next{0}, done{0};
+};
+
+// memcpy, on several threads of `pool` for a large array (pool may be null: one thread).
+void CopyArray(uint8_t* dst, const uint8_t* src, size_t bytes, ffi::ThreadPool* pool) {
+  const int64_t threads = pool != nullptr && bytes >= kParallelCopyBytes ? pool->num_threads() : 0;
+  if (threads < 2) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  auto copy = std::make_shared<ChunkedCopy>(dst, src, bytes);
+  // More threads than cores only take turns (forced CPU devices share one pool of 4 on 2 cores).
+  static const size_t cores = std::max(1u, std::thread::hardware_concurrency());
+  const size_t helpers =
+      std::min({static_cast<size_t>(threads), cores, copy->chunks}) - 1;
+  for (size_t i = 0; i < helpers; ++i) {
+    try {
+      pool->Schedule([copy]() noexcept { copy->CopyChunks(); });
+    } catch (...) {  // no memory for the task: this thread copies what is left
+      break;
+    }
+  }
+  copy->CopyChunks();
+  while (copy->done.load(std::memory_order_acquire) < copy->chunks) std::this_thread::yield();
+}
+
 constexpr uint16_t kFlagExpectsResponse = 1;  // a `call`: the device waits for the host's answer
 constexpr uint64_t kBarrierMarkerId = 0;       // registry.BARRIER_MARKER_ID
 
 // Builds the record; every byte that is not a field or an array element is zero (padding
 // included), so a recycled buffer never carries an earlier record's bytes. Throws bad_alloc.
+// A pool (XLA's intra-op threads) copies large arrays on several threads.
 Record EncodeRecord(uint64_t consumer_id, uint32_t device, const std::vector<ArrayView>& arrays,
-                    uint16_t flags = 0) {
+                    uint16_t flags = 0, ffi::ThreadPool* pool = nullptr) {
   size_t header = kFixedHeaderBytes;
   for (const ArrayView& a : arrays) header += kDescriptorBytes + 8 * a.ndim;
   header = AlignUp(header);
@@ -229,7 +284,9 @@ Record EncodeRecord(uint64_t consumer_id, uint32_t device, const std::vector<Arr
     const size_t aligned = AlignUp(offset);
     if (aligned > offset) std::memset(r.data + offset, 0, aligned - offset);
     offset = aligned;
-    if (a.byte_size > 0) std::memcpy(r.data + offset, a.data, a.byte_size);
+    if (a.byte_size > 0) {
+      CopyArray(r.data + offset, static_cast<const uint8_t*>(a.data), a.byte_size, pool);
+    }
     offset += a.byte_size;
   }
   if (offset < size) std::memset(r.data + offset, 0, size - offset);
@@ -617,8 +674,9 @@ DeviceQueue* NativeQueueFor(int device) {
 // the record cannot be allocated; the record never leaks.
 std::string Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id,
                     const std::vector<ArrayView>& arrays, uint16_t flags = 0,
-                    uint64_t* sequence = nullptr, double timeout_s = 0) {
-  Record record = EncodeRecord(consumer_id, static_cast<uint32_t>(device), arrays, flags);
+                    uint64_t* sequence = nullptr, double timeout_s = 0,
+                    ffi::ThreadPool* pool = nullptr) {
+  Record record = EncodeRecord(consumer_id, static_cast<uint32_t>(device), arrays, flags, pool);
   const bool expects_response = (flags & kFlagExpectsResponse) != 0;
   int64_t pushed = DeviceQueue::kClosed;
   try {
@@ -689,8 +747,8 @@ ffi::Error Guarded(Body body) noexcept {
 }
 
 // emit_device >= 0: only that device enqueues (a whole-value tap lowered on every device).
-ffi::Error TapImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_device,
-                   ffi::RemainingArgs args, ffi::RemainingRets rets) {
+ffi::Error TapImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consumer_id,
+                   int64_t emit_device, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   (void)rets;  // only the ordering token, which carries no data
   return Guarded([&]() -> ffi::Error {
     if (emit_device != -1 && emit_device != device_ordinal) return ffi::Error::Success();
@@ -702,8 +760,8 @@ ffi::Error TapImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_de
     thread_local std::vector<ArrayView> arrays;
     arrays.clear();
     if (ffi::Error error = CollectArrays(args, &arrays); error.failure()) return error;
-    std::string problem =
-        Enqueue(NativeQueueFor(device_ordinal), device_ordinal, consumer_id, arrays);
+    std::string problem = Enqueue(NativeQueueFor(device_ordinal), device_ordinal, consumer_id,
+                                  arrays, 0, nullptr, 0, &pool);
     if (!problem.empty()) return ffi::Error::Internal(problem);
     return ffi::Error::Success();
   });
@@ -851,6 +909,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackCheck, CheckImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackTap, TapImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Attr<uint64_t>("consumer_id")
                                   .Attr<int64_t>("emit_device")
                                   .RemainingArgs()

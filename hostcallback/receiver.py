@@ -340,26 +340,34 @@ class ReceiverPool:
         index, count = 0, len(batch)
         while index < count:
             record = batch[index]  # (consumer_id, device, sequence, flags, arrays or why not)
-            end = index + 1
+            index += 1
             try:
                 consumer = consumers.get(record[0]) or self._consumers.get(record[0])
                 if record[4].__class__ is str:
                     raise wire.UndecodableRecordError(
                         f"a tap record could not be decoded: {record[4]}")
                 if consumer.tap_batch is not None:  # its whole run of records in one call
-                    end = batches.run_end(batch, index)
-                    consumer.tap_batch(batches.RecordBatch(batch, index, end, consumer, device))
-                else:
+                    start, index = index - 1, batches.run_end(batch, index - 1)
+                    consumer.tap_batch(batches.RecordBatch(batch, start, index, consumer, device))
+                elif consumer.is_call:
                     current.record = record
                     result = consumer.call(record[4], device)
                     current.record = None
-                    if record[3] & wire.FLAG_EXPECTS_RESPONSE:
-                        outfeed.respond(key[1], record[2], results.result_leaves(consumer, result),
-                                        platform=key[0])
+                    outfeed.respond(key[1], record[2], results.result_leaves(consumer, result),
+                                    platform=key[0])
+                else:  # a tap: this record and the rest of its run in one tight loop
+                    deliver, end = consumer.deliver, batches.run_end(batch, index - 1)
+                    current.record = record
+                    deliver(record[4], device)
+                    while index < end:
+                        record = batch[index]
+                        index += 1
+                        current.record = record
+                        deliver(record[4], device)
+                    current.record = None
             except BaseException as error:  # noqa: BLE001 - nothing a consumer raises stops us
-                current.record = None
+                current.record = None  # the loop goes on after the record that failed
                 self._consumer_failed(key, device, record, _without_locals(error))
-            index = end
         # A kept failure's traceback reaches this frame (its frames' f_back): let go of the batch.
         batch = record = None
 

@@ -46,10 +46,25 @@ class Consumer:
     # A tap function's ``tap_batch`` method (hostcallback.batches), taken once; never a call's.
     tap_batch: Callable[..., Any] | None = dataclasses.field(
         default=None, init=False, compare=False, repr=False)
+    # deliver(leaves, device): a tap's call, made once for this consumer (it runs per record).
+    deliver: Callable[..., Any] = dataclasses.field(
+        default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.is_call:
             object.__setattr__(self, "tap_batch", getattr(self.func, "tap_batch", None))
+        object.__setattr__(self, "deliver", self._make_deliver())
+
+    def _make_deliver(self) -> Callable[..., Any]:
+        """call(), without the branches that never apply to this consumer: most taps are a
+        plain function of one array or of a pytree, without device or key arrays."""
+        if self.is_call or self.with_device or self.key_impls or self.per_device_transforms:
+            return self.call
+        func, transforms = self.func, self.transforms
+        if self.treedef.num_nodes == 1 and self.treedef.num_leaves == 1:  # one array
+            return lambda leaves, device: func(leaves[0], transforms)
+        unflatten = self.treedef.unflatten
+        return lambda leaves, device: func(unflatten(leaves), transforms)
 
     @property
     def is_call(self) -> bool:

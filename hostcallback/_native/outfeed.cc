@@ -94,20 +94,22 @@ std::atomic<uint64_t> g_batch_bytes{0};
 // Drained records whose arrays are still alive somewhere in Python (pool_stats()).
 std::atomic<uint64_t> g_records_held{0};
 
-// Recycles large record buffers. A fresh multi-megabyte allocation is a new mapping whose pages
-// fault in on first touch, which costs more than the copy itself. Buffers of 64 KiB and up come
-// in size classes (four per power of two, so at most 25 % slack), and a buffer is kept while
+// Recycles record buffers. A fresh multi-megabyte allocation is a new mapping whose pages fault
+// in on first touch, which costs more than the copy itself; a small one from aligned_alloc takes
+// the allocator's arena lock against the receiver freeing the last batch, which cost a small tap
+// half its time. Buffers of 64 KiB and up come in size classes (four per power of two, so at
+// most 25 % slack), smaller ones by their exact size (a multiple of 64), and a buffer is kept while
 // the pooled buffers in use and free together stay within one budget plus one drained batch:
-// what the queue and a receiver's batch can hold at once. So a steady stream of large taps
-// always hits, and the pool adds nothing to the memory bound (docs/reliability.md).
+// what the queue and a receiver's batch can hold at once. So a steady stream of taps always
+// hits, and the pool adds nothing to the memory bound (docs/reliability.md).
 class BufferPool {
  public:
-  static constexpr size_t kMinPooledBytes = 64 << 10;
+  static constexpr size_t kSizeClassesFrom = 64 << 10;
 
-  // The size class a request of `size` bytes is served from (size itself below the pool).
+  // The size class a request of `size` bytes is served from (size itself below 64 KiB).
   static size_t ClassOf(size_t size) {
-    if (size < kMinPooledBytes) return size;
-    size_t power = kMinPooledBytes;
+    if (size < kSizeClassesFrom) return size;
+    size_t power = kSizeClassesFrom;
     while (power * 2 <= size && power < (size_t{1} << 62)) power *= 2;
     const size_t step = power / 4;
     return (size + step - 1) / step * step;
@@ -117,7 +119,7 @@ class BufferPool {
   uint8_t* Get(size_t size, size_t* capacity) {
     const size_t wanted = ClassOf(size);
     *capacity = wanted;
-    if (wanted >= kMinPooledBytes) {
+    {
       std::lock_guard<std::mutex> lock(mu_);
       auto found = free_.find(wanted);
       if (found != free_.end() && !found->second.empty()) {
@@ -132,7 +134,7 @@ class BufferPool {
       in_use_bytes_ += wanted;  // counted before the allocation, undone below if it fails
     }
     auto* data = static_cast<uint8_t*>(std::aligned_alloc(kAlignment, wanted));
-    if (data == nullptr && wanted >= kMinPooledBytes) {
+    if (data == nullptr) {
       std::lock_guard<std::mutex> lock(mu_);
       in_use_bytes_ -= wanted;
     }
@@ -140,7 +142,7 @@ class BufferPool {
   }
 
   void Put(uint8_t* data, size_t capacity) noexcept {
-    if (capacity >= kMinPooledBytes) {
+    {
       std::lock_guard<std::mutex> lock(mu_);
       in_use_bytes_ -= capacity;
       const uint64_t cap = g_max_queue_bytes.load(std::memory_order_relaxed) +
@@ -1317,7 +1319,7 @@ NB_MODULE(_hostcallback_outfeed, m) {
   m.def("pooled_bytes", []() { return g_pool.PooledBytes(); },
         "Bytes of free record buffers kept for reuse.");
   m.def("pool_stats", []() { return g_pool.Stats(); },
-        "The buffer pool: pooled_bytes (free), in_use_bytes, hits and misses (64 KiB and up).");
+        "The buffer pool: pooled_bytes (free), in_use_bytes, hits and misses, records_held.");
   DefineFrameFunctions(m);
   m.attr("NATIVE_PLATFORM") = kNativePlatform;
   m.attr("WIRE_VERSION") = kVersion;

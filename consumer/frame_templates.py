@@ -39,18 +39,22 @@ def step_of(value: Any) -> int | None:
 class FrameTemplate:
     """The fixed pieces of one tap site's frames from one device, and where the holes go."""
 
-    __slots__ = ("leaf_bytes", "pieces", "step_kind", "step_leaf", "step_size")
+    __slots__ = ("leaf_dtypes", "leaf_shapes", "pieces", "step_kind", "step_leaf", "step_size")
 
-    def __init__(self, pieces: list[bytes], leaf_bytes: list[int], step_leaf: int,
+    def __init__(self, pieces: list[bytes], leaves: list[np.ndarray], step_leaf: int,
                  step_kind: str, step_size: int) -> None:
-        self.pieces, self.leaf_bytes = pieces, leaf_bytes
+        self.pieces = pieces
+        self.leaf_dtypes = [leaf.dtype for leaf in leaves]
+        self.leaf_shapes = [leaf.shape for leaf in leaves]
         self.step_leaf, self.step_kind, self.step_size = step_leaf, step_kind, step_size
 
     def frames(self, batch: RecordBatch, now: float = -1.0) -> list[bytes]:
-        """The batch's frames, in order; ``now`` >= 0 sets every record's time (for checks)."""
+        """The batch's frames, in order; ``now`` >= 0 sets every record's time (for checks).
+        A ValueError for a record whose arrays have other dtypes or shapes than the template's
+        (its bytes would not match the packed headers)."""
         return outfeed.frame_records(batch.records, batch.start, batch.stop, self.pieces,
-                                     self.leaf_bytes, self.step_leaf, self.step_kind,
-                                     self.step_size, now)
+                                     self.leaf_dtypes, self.leaf_shapes, self.step_leaf,
+                                     self.step_kind, self.step_size, now)
 
 
 def make_template(batch: RecordBatch, fields: dict[str, Any]) -> FrameTemplate | None:
@@ -89,8 +93,7 @@ def make_template(batch: RecordBatch, fields: dict[str, Any]) -> FrameTemplate |
         pieces.append(payload[position:found] + (heads[index] if index < len(heads) else b""))
         position = found + len(packed)
     pieces.append(payload[position:])
-    template = FrameTemplate(pieces, [leaf.nbytes for leaf in leaves], step_leaf, step_kind,
-                             step_size)
+    template = FrameTemplate(pieces, leaves, step_leaf, step_kind, step_size)
     now = time.time()
     value = consumer.arg_of(leaves)
     expected = frame_item(TapRecord(value=value, step=step_of(value), sequence=first[2],

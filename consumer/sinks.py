@@ -46,7 +46,8 @@ from consumer.stream import (
     stream_header,
 )
 from hostcallback.batches import RecordBatch
-from hostcallback.receiver import current_record, receivers
+from hostcallback.receiver import receivers
+from hostcallback.record_context import current_record
 
 logger = logging.getLogger("hostcallback.sinks")
 
@@ -76,9 +77,16 @@ class FrameSink(Sink):
         raise NotImplementedError
 
     def emit_frames(self, frames: list[bytes], name: str) -> None:
-        """Writes several framed records of one tap site, in order (a receiver's batch)."""
+        """Writes several framed records of one tap site, in order (a receiver's batch); a
+        frame that fails does not keep the later ones out, and the first error is raised."""
+        first_error = None
         for data in frames:
-            self.emit_frame(data, name)
+            try:
+                self.emit_frame(data, name)
+            except Exception as error:  # noqa: BLE001 - raised after the rest
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
 
 
 def _takes_frames(sink: Sink) -> bool:
@@ -115,8 +123,8 @@ class SinkTap:
         self._frame_sinks = tuple(sink for sink, frames in self._targets if frames)
         self._record_sinks = tuple(sink for sink, frames in self._targets if not frames)
         self._framer: RecordFramer | None = None  # built by the first record (process index)
-        # (consumer id, device id) -> its FrameTemplate, or None: framed in Python
-        self._templates: dict[tuple[int, int], FrameTemplate | None] = {}
+        # (consumer id, device, dtypes and shapes) -> its FrameTemplate, or None: framed in Python
+        self._templates: dict[tuple, FrameTemplate | None] = {}
 
     def _key(self):
         return (tuple(map(id, self.sinks)), self.name, repr(sorted(self.metadata.items())))
@@ -157,20 +165,32 @@ class SinkTap:
         the other sinks get a TapRecord per record, as from a call per record."""
         device_name, device_id = (self._devices.get(batch.device)
                                   or self._device_fields(batch.device))
+        first_error = None  # a sink that fails does not keep the others from the batch
         if self._frame_sinks:
             frames = self._frames(batch, device_name, device_id)
             for sink in self._frame_sinks:
-                sink.emit_frames(frames, self.name)
+                try:
+                    sink.emit_frames(frames, self.name)
+                except Exception as error:  # noqa: BLE001 - raised once the others have it
+                    first_error = first_error or error
         if self._record_sinks:
             transforms = batch.transforms
             for value, sequence in zip(batch.values(), batch.sequences()):
                 record = self._record(value, step_of(value), device_name, device_id, sequence,
                                       time.time(), transforms)
                 for sink in self._record_sinks:
-                    sink.emit(record)
+                    try:
+                        sink.emit(record)
+                    except Exception as error:  # noqa: BLE001 - raised once the others have it
+                        first_error = first_error or error
+        if first_error is not None:
+            raise first_error
 
     def _frames(self, batch: RecordBatch, device_name: str, device_id: int) -> list[bytes]:
-        key = (batch.consumer_id, device_id)
+        # One tap function may be traced for values of several dtypes and shapes (one consumer
+        # id): a template per device and per dtypes and shapes of the run's first record.
+        key = (batch.consumer_id, batch.device,
+               tuple((leaf.dtype, leaf.shape) for leaf in batch.records[batch.start][4]))
         if key not in self._templates:
             self._templates[key] = make_template(batch, {
                 "name": self.name, "metadata": dict(self.metadata),
@@ -180,10 +200,8 @@ class SinkTap:
         if template is not None:
             try:
                 return template.frames(batch)
-            except ValueError as error:  # a record its template does not describe: never lost
-                logger.warning("hostcallback: records of %r are framed in Python from now on: "
-                               "%s", self.name, error)
-                self._templates[key] = None
+            except ValueError:  # a record of other dtypes or shapes later in the run
+                pass  # framed in Python below, as every record the template does not describe
         framer = self._framer or self._make_framer()
         transforms = batch.transforms
         return [framer.frame(value, step_of(value), device_name, device_id, sequence,
@@ -525,6 +543,20 @@ class SocketSink(FrameSink):
             self._frames.append(data)
             self._buffered += len(data)
             self._cond.notify_all()
+
+    def emit_frames(self, frames: list[bytes], name: str) -> None:
+        """A batch joins the buffer at once, with one wake-up of the sending thread, when it
+        fits whole; otherwise frame by frame, as ``emit_frame`` waits and refuses."""
+        total = sum(map(len, frames))
+        with self._cond:
+            fits = not self._closed and (self._buffered + total <= self.max_buffered_bytes
+                                         or not self._buffered and len(frames) == 1)
+            if fits and max(map(len, frames), default=0) - FRAME.size <= self.max_record_bytes:
+                self._frames.extend(frames)
+                self._buffered += total
+                self._cond.notify_all()
+                return
+        super().emit_frames(frames, name)
 
     # ---- the sending thread ----
 

@@ -18,10 +18,9 @@ from hostcallback.flavors import CallbackFlavor
 from hostcallback.receiver import (
                               CallbackException,
                               ReceiverStoppedError,
-                              RecordContext,
-                              current_record,
                               reset_peak_bytes_queued,
 )
+from hostcallback.record_context import RecordContext, current_record
 
 __version__ = "0.1.0"
 

@@ -1,12 +1,13 @@
 """Many records of one tap site at once, for tap functions that can take them together.
 
-A tap function (an ``id_tap`` consumer, not a ``call``) that has a ``tap_batch(batch)`` method
-is handed each run of consecutive records of its tap site from one device as one RecordBatch,
-in order, instead of being called once per record. It must do what calling it per record
-would do. Sinks that write many records in one go (consumer.FileSink, SocketSink) use this:
-their frames are put together in C++ for the whole batch. Inside ``tap_batch``
-``current_record()`` is None (the batch names its device and sequence numbers); an exception
-fails the batch's records together and is reported once at the next ``barrier_wait``.
+A tap function (an ``id_tap`` consumer, not a ``call``) whose class defines a
+``tap_batch(batch)`` method is handed each run of consecutive records of its tap site from one
+device as one RecordBatch, in order, instead of being called once per record. It must do what
+calling it per record would do. Sinks that write many records in one go (consumer.FileSink,
+SocketSink) use this: their frames are put together in C++ for the whole batch. Inside
+``tap_batch`` ``current_record()`` names the batch's first record, then each record in turn as
+``batch.values()`` yields it; an exception fails the batch's records together and is reported
+once at the next ``barrier_wait``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from hostcallback.record_context import current
 from hostcallback.registry import Consumer, Transform
 
 
@@ -45,9 +47,16 @@ class RecordBatch:
         return [record[2] for record in self.records[self.start:self.stop]]
 
     def values(self) -> Iterator[Any]:
-        """Each record's tapped value, as the tap function would get it as ``arg``."""
-        for record in self.records[self.start:self.stop]:
-            yield self.consumer.arg_of(record[4])
+        """Each record's tapped value, as the tap function would get it as ``arg``; while a
+        value is being handled, ``current_record()`` names its record (and afterwards what it
+        named before)."""
+        before = getattr(current, "record", None)
+        try:
+            for record in self.records[self.start:self.stop]:
+                current.record = record
+                yield self.consumer.arg_of(record[4])
+        finally:
+            current.record = before
 
 
 def run_end(records: list, start: int) -> int:

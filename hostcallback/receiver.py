@@ -28,7 +28,7 @@ import threading
 import time
 import traceback
 import weakref
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -36,6 +36,7 @@ from jax._src import core
 
 from hostcallback import batches, config, results, wire
 from hostcallback._native import outfeed
+from hostcallback.record_context import current as _current
 from hostcallback.registry import BARRIER_MARKER_ID, ConsumerRegistry, registry
 
 logger = logging.getLogger("hostcallback")
@@ -85,27 +86,6 @@ class CallbackException(Exception):
 
 class ReceiverStoppedError(RuntimeError):
     """The receivers were stopped with stop_outfeed_receiver(); taps cannot be delivered any more."""
-
-
-class RecordContext(NamedTuple):
-    """The record a consumer is being called for: where it came from and its place in line.
-    Immutable; a named tuple because consumers may ask for it once per record."""
-
-    device: Any
-    sequence: int
-    consumer_id: int
-
-
-_current = threading.local()  # per receiver: .device, and .record while a consumer runs
-
-
-def current_record() -> RecordContext | None:
-    """Inside a tap consumer: the record it was called for; elsewhere None. Built only when
-    asked, from the decoded record the receiver holds."""
-    record = getattr(_current, "record", None)
-    if record is None:
-        return None
-    return RecordContext(_current.device, record[2], record[0])
 
 
 def _without_locals(error: BaseException) -> BaseException:
@@ -348,7 +328,9 @@ class ReceiverPool:
                         f"a tap record could not be decoded: {record[4]}")
                 if consumer.tap_batch is not None:  # its whole run of records in one call
                     start, index = index - 1, batches.run_end(batch, index - 1)
+                    current.record = record
                     consumer.tap_batch(batches.RecordBatch(batch, start, index, consumer, device))
+                    current.record = None
                 elif consumer.is_call:
                     current.record = record
                     result = consumer.call(record[4], device)

@@ -51,8 +51,9 @@ class Consumer:
         default=None, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not self.is_call:
-            object.__setattr__(self, "tap_batch", getattr(self.func, "tap_batch", None))
+        # Looked up on the class: an object that answers every attribute (a Mock) takes no batches.
+        if not self.is_call and getattr(type(self.func), "tap_batch", None) is not None:
+            object.__setattr__(self, "tap_batch", self.func.tap_batch)
         object.__setattr__(self, "deliver", self._make_deliver())
 
     def _make_deliver(self) -> Callable[..., Any]:

@@ -2,6 +2,7 @@
 (hostcallback.batches), in order, on both transports."""
 
 import threading
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -42,13 +43,47 @@ def test_every_record_arrives_once_in_program_order(transport):
     assert all(length == len(batch[1]) for *batch, length in tap.batches)
 
 
-def test_a_batch_names_its_device_and_the_consumer_context_is_absent(transport):
+def test_a_batch_names_its_device(transport):
     tap = BatchTap()
     jax.pmap(lambda x: hcb.id_tap(tap, x * 2))(jnp.arange(4.0))
     hcb.barrier_wait()
     by_device = {batch[0].id: [float(v) for v in batch[2]] for batch in tap.batches}
     assert by_device == {d.id: [2.0 * i] for i, d in enumerate(jax.local_devices())}
-    assert all(batch[4] is None for batch in tap.batches)
+
+
+def test_current_record_names_the_first_record_then_each_one_values_yields(transport):
+    seen = []
+
+    class Site(BatchTap):
+        def tap_batch(self, batch):
+            first = hcb.current_record()
+            each = [hcb.current_record().sequence for _ in batch.values()]
+            seen.append((first.sequence, first.device == batch.device, each,
+                         batch.sequences(), hcb.current_record().sequence))
+
+    jax.jit(lambda x: lax.fori_loop(0, 500, lambda i, c: hcb.id_tap(Site(), c + i), x))(0)
+    hcb.barrier_wait()
+    assert sum(len(each) for _, _, each, _, _ in seen) == 500
+    for first, same_device, each, sequences, after in seen:
+        assert same_device and each == sequences and first == after == sequences[0]
+
+
+def test_a_computation_traced_inside_tap_batch_is_refused_not_left_to_hang(transport):
+    class Reentrant(BatchTap):
+        def tap_batch(self, batch):
+            jax.jit(lambda x: hcb.call(lambda y: y, x, result_shape=x))(1.0)
+
+    jax.jit(lambda x: hcb.id_tap(Reentrant(), x))(0)
+    with pytest.raises(CallbackException, match="traced inside a tap consumer"):
+        hcb.barrier_wait()
+
+
+def test_an_object_that_answers_every_attribute_is_called_per_record(transport):
+    tap = mock.Mock()
+    jax.jit(lambda x: lax.fori_loop(0, 3, lambda i, c: hcb.id_tap(tap, c + 1), x))(0)
+    hcb.barrier_wait()
+    assert [int(call.args[0]) for call in tap.call_args_list] == [1, 2, 3]
+    tap.tap_batch.assert_not_called()
 
 
 def test_taps_of_two_sites_interleaved_keep_their_order_across_sites(transport):

@@ -126,26 +126,44 @@ def test_a_record_that_does_not_fit_its_template_is_refused():
     batch = _batch([{"x": np.ones(3, np.float32)}, {"x": np.ones(3, np.float32)}])
     template = make_template(batch, _FIELDS)
     batch.records[1][4][0] = np.ones(4, np.float32)
-    with pytest.raises(ValueError, match="template's size"):
+    with pytest.raises(ValueError, match="template's shape"):
         template.frames(batch)
     batch.records[1][4][0] = np.ones(6, np.float32)[::2]
     with pytest.raises(ValueError, match="contiguous"):
+        template.frames(batch)
+    batch.records[1][4][0] = [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match="not a numpy array"):
         template.frames(batch)
     batch.records[1][4].append(np.ones(3, np.float32))
     with pytest.raises(ValueError, match="template's arrays"):
         template.frames(batch)
 
 
+@pytest.mark.parametrize("other", [np.arange(6, dtype=np.int32).reshape(2, 3),
+                                   np.arange(6, dtype=np.float32),
+                                   np.arange(6, dtype=np.float32).reshape(2, 3).astype(">f4")],
+                         ids=["dtype", "shape", "byte-order"])
+def test_a_record_of_the_same_size_but_another_dtype_or_shape_is_refused(other):
+    batch = _batch([{"x": np.ones((2, 3), np.float32)}, {"x": np.ones((2, 3), np.float32)}])
+    template = make_template(batch, _FIELDS)
+    batch.records[1][4][0] = other
+    with pytest.raises(ValueError, match="template's (dtype|shape)"):
+        template.frames(batch)
+
+
 def test_bad_arguments_to_frame_records_are_value_errors():
     records = [(1, 0, 0, 0, [np.ones(1, np.float32)])]
-    with pytest.raises(ValueError, match="pieces"):
-        outfeed.frame_records(records, 0, 1, [b""], [4], -1, "i", 8)
+    spec = ([np.dtype(np.float32)], [(1,)])
+    with pytest.raises(ValueError, match="piece"):
+        outfeed.frame_records(records, 0, 1, [b""], *spec, -1, "i", 8)
     with pytest.raises(ValueError, match="outside"):
-        outfeed.frame_records(records, 0, 2, [b""] * 5, [4], -1, "i", 8)
+        outfeed.frame_records(records, 0, 2, [b""] * 5, *spec, -1, "i", 8)
     with pytest.raises(ValueError, match="step"):
-        outfeed.frame_records(records, 0, 1, [b""] * 5, [4], 0, "f", 4)
+        outfeed.frame_records(records, 0, 1, [b""] * 5, *spec, 0, "f", 4)
+    with pytest.raises(ValueError, match="one dtype and one shape"):
+        outfeed.frame_records(records, 0, 1, [b""] * 5, spec[0], [], -1, "i", 8)
     with pytest.raises(ValueError, match="template's arrays"):
-        outfeed.frame_records([("not", "a", "record")], 0, 1, [b""] * 5, [4], -1, "i", 8)
+        outfeed.frame_records([("not", "a", "record")], 0, 1, [b""] * 5, *spec, -1, "i", 8)
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 63, 1000, 1 << 16])
@@ -154,18 +172,38 @@ def test_the_crc_is_zlibs(size):
     assert outfeed.crc32(data) == zlib.crc32(data)
 
 
-def test_a_sink_tap_whose_template_stops_fitting_frames_in_python_and_loses_nothing(
-        tmp_path, caplog):
+def test_a_run_whose_later_records_do_not_fit_its_template_is_framed_in_python(tmp_path):
     sink = FileSink(tmp_path / "s.hcbs")
     tap = SinkTap([sink], "t")
     batch = _batch([{"step": np.int32(i), "x": np.ones(2, np.float32) * i} for i in range(2)])
     tap.tap_batch(batch)
-    batch.records[1][4][1] = np.ones(3, np.float32)  # the template no longer fits
+    batch.records[1][4][1] = np.arange(2, dtype=np.int32)  # same size, another dtype
     tap.tap_batch(batch)
     sink.close()
-    values = [r.value["x"].tolist() for r in read_records(tmp_path / "s.hcbs")]
-    assert values == [[0, 0], [1, 1], [0, 0], [1, 1, 1]]
-    assert "framed in Python from now on" in caplog.text
+    values = [r.value["x"] for r in read_records(tmp_path / "s.hcbs")]
+    assert [(v.dtype.name, v.tolist()) for v in values] == [
+        ("float32", [0, 0]), ("float32", [1, 1]), ("float32", [0, 0]), ("int32", [0, 1])]
+
+
+def test_one_tap_function_traced_for_values_of_several_dtypes_and_shapes_writes_each_right(
+        tmp_path, transport):
+    sink = FileSink(tmp_path / "s.hcbs")
+
+    def step(x, s):
+        return tap_to([sink], {"step": s, "x": x}, name="t")["x"]
+
+    values = [jnp.arange(6, dtype=jnp.float32).reshape(2, 3), jnp.arange(6, dtype=jnp.int32),
+              jnp.arange(6, dtype=jnp.float32), jnp.float32(7)]
+    for index in range(12):
+        jax.jit(step)(values[index % 4], jnp.float32(index) if index == 11 else index)
+    hcb.barrier_wait()
+    sink.close()
+    records = list(read_records(tmp_path / "s.hcbs"))
+    assert [r.step for r in records] == list(range(12))
+    for index, record in enumerate(records):
+        expected = np.asarray(values[index % 4])
+        assert record.value["x"].dtype == expected.dtype
+        np.testing.assert_array_equal(record.value["x"], expected)
 
 
 def test_tapped_records_reach_a_file_in_order_with_their_values(tmp_path, transport):

@@ -5,6 +5,7 @@ the last ones watch the receivers deliver real taps.
 """
 
 import itertools
+import textwrap
 import threading
 import time
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import run_python
 from jax import lax
 
 import hostcallback as hcb
@@ -162,18 +164,58 @@ def test_a_pooled_buffer_is_reused_for_a_record_of_the_same_size_class():
     drain(device)
 
 
+_POOL_SCRIPT = """
+import numpy as np
+from hostcallback import config, wire
+from hostcallback._native import outfeed
+
+def drain():  # as the receivers drain
+    return outfeed.drain(0, 1024, 1 << 20, 5.0, platform="decoded")[0]
+
+def enqueue(value):
+    outfeed.enqueue(0, 3, [wire.as_leaf(value)], platform="decoded")
+
+"""
+
+
+def pool_hits_and_misses(body: str) -> list[str]:
+    """Runs ``body`` after _POOL_SCRIPT in a fresh process (the pool is shared by every queue,
+    and earlier tests leave it full); it prints the hits and misses it counted."""
+    result = run_python(_POOL_SCRIPT + textwrap.dedent(body), devices=1)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
 def test_small_records_reuse_pooled_buffers_instead_of_allocating():
-    device = fresh_queue()
-    outfeed.enqueue(device, 3, [leaf(np.int32(0))], platform=PLATFORM)
-    drain(device)  # its buffer is back in the pool
-    before = outfeed.pool_stats()
-    for value in range(100):
-        outfeed.enqueue(device, 3, [leaf(np.int32(value))], platform=PLATFORM)
-        records, _ = drain(device)
-        assert int(records[0][4][0]) == value
-        del records
-    after = outfeed.pool_stats()
-    assert after["hits"] == before["hits"] + 100 and after["misses"] == before["misses"]
+    assert pool_hits_and_misses("""
+        enqueue(np.int32(0))
+        drain()  # its buffer is back in the pool
+        before = outfeed.pool_stats()
+        for value in range(100):
+            enqueue(np.int32(value))
+            assert int(drain()[0][4][0]) == value
+        after = outfeed.pool_stats()
+        print(after["hits"] - before["hits"], after["misses"] - before["misses"])
+    """) == ["100", "0"]
+
+
+def test_a_backlog_of_small_records_leaves_the_pool_room_for_large_ones():
+    assert pool_hits_and_misses("""
+        config.configure(max_queue_bytes=4 << 20)
+        for value in range(32_000):  # a backlog of almost the whole budget of small records
+            enqueue(np.int32(value))
+        while drain():
+            pass  # delivered: their buffers go back to the pool, an eighth of it at most
+        big = np.ones(1 << 18, np.float32)  # 1 MiB
+        enqueue(big)
+        drain()
+        before = outfeed.pool_stats()
+        for _ in range(20):
+            enqueue(big)
+            drain()
+        after = outfeed.pool_stats()
+        print(after["hits"] - before["hits"], after["misses"] - before["misses"])
+    """) == ["20", "0"]
 
 
 @pytest.mark.parametrize("coalesce_s", [-1.0, float("nan"), 5.0])

@@ -257,6 +257,40 @@ def test_sink_tap_builds_frames_for_frame_sinks_and_records_for_the_others():
     assert seen[0][1] == seen[1][1] == seen[2][1] and seen[0][2] == "t"
 
 
+@pytest.mark.timeout(120)
+def test_a_failing_sink_does_not_keep_the_others_from_a_batch(tmp_path):
+    class Failing(Sink):
+        def emit(self, record):
+            raise OSError("disk on fire")
+
+    class FailingFrames(FrameSink):
+        def emit_frame(self, data, name):
+            raise OSError("socket on fire")
+
+    stream_file = FileSink(tmp_path / "s.hcbs")
+    sinks = [Failing(), FailingFrames(), stream_file]
+    jax.jit(lambda x: jax.lax.fori_loop(0, 200, lambda i, c: tap_to(
+        sinks, {"step": i, "x": c}, name="t")["x"] + 1, x))(jnp.float32(0))
+    with pytest.raises(hcb.CallbackException, match="on fire"):
+        hcb.barrier_wait()
+    stream_file.close()
+    assert [r.step for r in read_records(tmp_path / "s.hcbs")] == list(range(200))
+
+
+def test_a_frame_that_fails_does_not_keep_the_later_frames_of_a_batch_out():
+    written = []
+
+    class Picky(FrameSink):
+        def emit_frame(self, data, name):
+            if data == b"bad":
+                raise ValueError("bad frame")
+            written.append(data)
+
+    with pytest.raises(ValueError, match="bad frame"):
+        Picky().emit_frames([b"a", b"bad", b"b", b"bad", b"c"], "t")
+    assert written == [b"a", b"b", b"c"]
+
+
 def test_a_frame_sink_that_overrides_emit_gets_tap_records():
     class Counting(FrameSink):
         def __init__(self):

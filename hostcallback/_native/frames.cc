@@ -10,13 +10,18 @@
 // what a record holds; a record that does not fit its template is refused with a ValueError,
 // never written.
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <ctime>
 #include <string>
 #include <vector>
 
+#define PY_ARRAY_UNIQUE_SYMBOL hostcallback_ARRAY_API  // imported once, in outfeed.cc
+#define NO_IMPORT_ARRAY
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <Python.h>
+#include <numpy/arrayobject.h>
 
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
@@ -105,6 +110,8 @@ constexpr uint8_t kNil = 0xc0;
 // little-endian uint32 (consumer/stream.py: SYNC, FRAME).
 constexpr uint8_t kSync[4] = {0xc1, 'h', 'c', 'b'};
 constexpr size_t kFrameHeaderBytes = 12;
+// Frames at least this large are copied and checksummed with the GIL released.
+constexpr size_t kReleaseGilBytes = size_t{64} << 10;
 
 // A step read from the step leaf's first element, packed as msgpack-python packs int(step).
 size_t PackStep(uint8_t* out, const uint8_t* at, char kind, size_t size) {
@@ -131,57 +138,80 @@ double WallClockSeconds() {  // what time.time() returns
   return static_cast<double>(now.tv_sec) + static_cast<double>(now.tv_nsec) * 1e-9;
 }
 
-// The leaf buffers of one record, released however the frame ends.
-class LeafBuffers {
- public:
-  explicit LeafBuffers(size_t count) { views_.reserve(count); }
-  ~LeafBuffers() {
-    for (Py_buffer& view : views_) PyBuffer_Release(&view);
-  }
-  LeafBuffers(const LeafBuffers&) = delete;
-  LeafBuffers& operator=(const LeafBuffers&) = delete;
-
-  // A C-contiguous buffer of exactly `bytes` bytes, or a ValueError.
-  const Py_buffer& Add(PyObject* leaf, size_t bytes) {
-    Py_buffer view;
-    if (PyObject_GetBuffer(leaf, &view, PyBUF_C_CONTIGUOUS) != 0) {
-      PyErr_Clear();
-      throw nb::value_error("a record's array is not a C-contiguous buffer");
-    }
-    views_.push_back(view);
-    if (static_cast<size_t>(view.len) != bytes) {
-      throw nb::value_error("a record's array does not have its template's size");
-    }
-    return views_.back();
-  }
-
- private:
-  std::vector<Py_buffer> views_;
+// What every record of a template has at one leaf: its dtype and shape, hence its size.
+struct LeafSpec {
+  nb::object dtype;  // owns descr
+  PyArray_Descr* descr;
+  std::vector<npy_intp> shape;
+  size_t bytes;
 };
 
+std::vector<LeafSpec> LeafSpecs(const std::vector<nb::object>& dtypes,
+                                const std::vector<std::vector<int64_t>>& shapes) {
+  if (dtypes.size() != shapes.size()) throw nb::value_error("one dtype and one shape per leaf");
+  std::vector<LeafSpec> specs(dtypes.size());
+  for (size_t i = 0; i < dtypes.size(); ++i) {
+    PyArray_Descr* descr = nullptr;
+    if (!PyArray_DescrConverter(dtypes[i].ptr(), &descr)) throw nb::python_error();
+    specs[i].dtype = nb::steal(reinterpret_cast<PyObject*>(descr));
+    specs[i].descr = descr;
+    size_t bytes = static_cast<size_t>(PyDataType_ELSIZE(descr));
+    for (int64_t dim : shapes[i]) {
+      if (dim < 0) throw nb::value_error("a negative dimension");
+      specs[i].shape.push_back(static_cast<npy_intp>(dim));
+      bytes *= static_cast<size_t>(dim);
+    }
+    specs[i].bytes = bytes;
+  }
+  return specs;
+}
+
+// The data of a record's leaf, which must be a C-contiguous numpy array of the spec's dtype and
+// shape (else a ValueError: a template describes its records exactly, or is not used).
+const uint8_t* LeafData(PyObject* leaf, const LeafSpec& spec) {
+  if (!PyArray_Check(leaf)) throw nb::value_error("a record's leaf is not a numpy array");
+  PyArrayObject* array = reinterpret_cast<PyArrayObject*>(leaf);
+  if (PyArray_DESCR(array) != spec.descr && !PyArray_EquivTypes(PyArray_DESCR(array), spec.descr)) {
+    throw nb::value_error("a record's array does not have its template's dtype");
+  }
+  if (static_cast<size_t>(PyArray_NDIM(array)) != spec.shape.size() ||
+      !std::equal(spec.shape.begin(), spec.shape.end(), PyArray_DIMS(array))) {
+    throw nb::value_error("a record's array does not have its template's shape");
+  }
+  if (!PyArray_IS_C_CONTIGUOUS(array)) {
+    throw nb::value_error("a record's array is not C-contiguous");
+  }
+  return static_cast<const uint8_t*>(PyArray_DATA(array));
+}
+
 // Frames records[start:stop], each drained record being (consumer_id, device, sequence, flags,
-// arrays). pieces holds len(leaf_bytes) + 4 fixed byte strings: before each array's bytes, then
-// before the step, before the sequence, before the time, and after it. step_leaf < 0: no step
-// (nil); else the step is that array's first element, of kind 'i', 'u' or 'b' and step_size
-// bytes. now < 0: each record's time is the wall clock as it is framed.
+// arrays). pieces holds len(leaf_dtypes) + 4 fixed byte strings: before each array's bytes,
+// then before the step, before the sequence, before the time, and after it. step_leaf < 0: no
+// step (nil); else the step is that array's first element, of kind 'i', 'u' or 'b' and
+// step_size bytes. now < 0: each record's time is the wall clock as it is framed. Large frames
+// are filled with the GIL released.
 nb::list FrameRecords(nb::list records, size_t start, size_t stop,
-                      const std::vector<nb::bytes>& pieces, const std::vector<size_t>& leaf_bytes,
-                      int step_leaf, const std::string& step_kind, size_t step_size, double now) {
-  const size_t leaves = leaf_bytes.size();
-  if (pieces.size() != leaves + 4) throw nb::value_error("a template needs len(leaf_bytes) + 4 pieces");
+                      const std::vector<nb::bytes>& pieces,
+                      const std::vector<nb::object>& leaf_dtypes,
+                      const std::vector<std::vector<int64_t>>& leaf_shapes, int step_leaf,
+                      const std::string& step_kind, size_t step_size, double now) {
+  const std::vector<LeafSpec> specs = LeafSpecs(leaf_dtypes, leaf_shapes);
+  const size_t leaves = specs.size();
+  if (pieces.size() != leaves + 4) throw nb::value_error("a template needs one piece per leaf + 4");
   if (stop > records.size() || start > stop) throw nb::value_error("start:stop is outside records");
   const bool has_step = step_leaf >= 0;
   if (has_step) {
     if (static_cast<size_t>(step_leaf) >= leaves) throw nb::value_error("step_leaf is not a leaf");
     if (step_kind.size() != 1 || std::string("iub").find(step_kind[0]) == std::string::npos ||
         (step_size != 1 && step_size != 2 && step_size != 4 && step_size != 8) ||
-        leaf_bytes[step_leaf] < step_size) {
+        static_cast<size_t>(PyDataType_ELSIZE(specs[step_leaf].descr)) != step_size ||
+        specs[step_leaf].bytes < step_size) {
       throw nb::value_error("the step must be an integer or bool array with an element");
     }
   }
   size_t fixed = kFrameHeaderBytes + 3 * kMaxPackedNumber;
   for (const nb::bytes& piece : pieces) fixed += piece.size();
-  for (size_t bytes : leaf_bytes) fixed += bytes;
+  for (const LeafSpec& spec : specs) fixed += spec.bytes;
 
   nb::list out;
   std::vector<const uint8_t*> data(leaves);
@@ -194,45 +224,54 @@ nb::list FrameRecords(nb::list records, size_t start, size_t stop,
     }
     const unsigned long long sequence = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(record, 2));
     if (PyErr_Occurred()) throw nb::python_error();
+    // The record holds its arrays alive while we copy from them, the GIL released or not.
+    nb::object held = nb::borrow(record);
     PyObject* arrays = PyTuple_GET_ITEM(record, 4);
-    LeafBuffers buffers(leaves);
-    for (size_t i = 0; i < leaves; ++i) {
-      data[i] = static_cast<const uint8_t*>(buffers.Add(PyList_GET_ITEM(arrays, i), leaf_bytes[i]).buf);
-    }
+    for (size_t i = 0; i < leaves; ++i) data[i] = LeafData(PyList_GET_ITEM(arrays, i), specs[i]);
     // Sized for the longest numbers, then cut to what was written.
     nb::object frame = nb::steal(PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(fixed)));
     if (!frame.is_valid()) throw nb::python_error();
     uint8_t* const begin = reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(frame.ptr()));
-    uint8_t* at = begin + kFrameHeaderBytes;
-    auto put = [&at](const void* bytes, size_t n) {
-      if (n) std::memcpy(at, bytes, n);
-      at += n;
+    const double time = now < 0 ? WallClockSeconds() : now;
+    size_t length = 0;
+    auto fill = [&]() {
+      uint8_t* at = begin + kFrameHeaderBytes;
+      auto put = [&at](const void* bytes, size_t n) {
+        if (n) std::memcpy(at, bytes, n);
+        at += n;
+      };
+      for (size_t i = 0; i < leaves; ++i) {
+        put(pieces[i].c_str(), pieces[i].size());
+        put(data[i], specs[i].bytes);
+      }
+      put(pieces[leaves].c_str(), pieces[leaves].size());
+      if (has_step) {
+        at += PackStep(at, data[step_leaf], step_kind[0], step_size);
+      } else {
+        *at++ = kNil;
+      }
+      put(pieces[leaves + 1].c_str(), pieces[leaves + 1].size());
+      at += PackUnsigned(at, sequence);
+      put(pieces[leaves + 2].c_str(), pieces[leaves + 2].size());
+      at += PackDouble(at, time);
+      put(pieces[leaves + 3].c_str(), pieces[leaves + 3].size());
+      length = static_cast<size_t>(at - begin);
+      const size_t payload = length - kFrameHeaderBytes;
+      const uint32_t payload_bytes = static_cast<uint32_t>(payload);
+      const uint32_t crc = Crc32(begin + kFrameHeaderBytes, payload);
+      std::memcpy(begin, kSync, 4);
+      std::memcpy(begin + 4, &payload_bytes, 4);  // little-endian, as the frame header is
+      std::memcpy(begin + 8, &crc, 4);
     };
-    for (size_t i = 0; i < leaves; ++i) {
-      put(pieces[i].c_str(), pieces[i].size());
-      put(data[i], leaf_bytes[i]);
-    }
-    put(pieces[leaves].c_str(), pieces[leaves].size());
-    if (has_step) {
-      at += PackStep(at, data[step_leaf], step_kind[0], step_size);
+    if (fixed > UINT32_MAX) throw nb::value_error("a record's frame is over 4 GiB");
+    if (fixed >= kReleaseGilBytes) {
+      nb::gil_scoped_release release;  // nothing below touches a Python object
+      fill();
     } else {
-      *at++ = kNil;
+      fill();
     }
-    put(pieces[leaves + 1].c_str(), pieces[leaves + 1].size());
-    at += PackUnsigned(at, sequence);
-    put(pieces[leaves + 2].c_str(), pieces[leaves + 2].size());
-    at += PackDouble(at, now < 0 ? WallClockSeconds() : now);
-    put(pieces[leaves + 3].c_str(), pieces[leaves + 3].size());
-
-    const size_t payload = static_cast<size_t>(at - begin) - kFrameHeaderBytes;
-    if (payload > UINT32_MAX) throw nb::value_error("a record's frame is over 4 GiB");
-    const uint32_t length = static_cast<uint32_t>(payload);
-    const uint32_t crc = Crc32(begin + kFrameHeaderBytes, payload);
-    std::memcpy(begin, kSync, 4);
-    std::memcpy(begin + 4, &length, 4);  // little-endian, as the frame header is
-    std::memcpy(begin + 8, &crc, 4);
     PyObject* raw = frame.release().ptr();
-    if (_PyBytes_Resize(&raw, static_cast<Py_ssize_t>(at - begin)) != 0) throw nb::python_error();
+    if (_PyBytes_Resize(&raw, static_cast<Py_ssize_t>(length)) != 0) throw nb::python_error();
     out.append(nb::steal(raw));
   }
   return out;
@@ -242,11 +281,11 @@ nb::list FrameRecords(nb::list records, size_t start, size_t stop,
 
 void DefineFrameFunctions(nb::module_& m) {
   m.def("frame_records", &FrameRecords, nb::arg("records"), nb::arg("start"), nb::arg("stop"),
-        nb::arg("pieces"), nb::arg("leaf_bytes"), nb::arg("step_leaf"), nb::arg("step_kind"),
-        nb::arg("step_size"), nb::arg("now") = -1.0,
+        nb::arg("pieces"), nb::arg("leaf_dtypes"), nb::arg("leaf_shapes"), nb::arg("step_leaf"),
+        nb::arg("step_kind"), nb::arg("step_size"), nb::arg("now") = -1.0,
         "Record-stream frames (a list of bytes) for drained records[start:stop] of one tap "
-        "site and device, from consumer.stream.FrameTemplate's pieces; a ValueError for a "
-        "record that does not fit them.");
+        "site and device, from consumer.frame_templates.FrameTemplate's pieces; a ValueError "
+        "for a record whose arrays do not have the template's dtypes and shapes.");
   m.def("crc32", [](nb::bytes data) {
     return Crc32(reinterpret_cast<const uint8_t*>(data.c_str()), data.size());
   }, nb::arg("data"), "CRC-32 as zlib.crc32 computes it (for tests).");

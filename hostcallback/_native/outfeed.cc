@@ -35,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#define PY_ARRAY_UNIQUE_SYMBOL hostcallback_ARRAY_API  // frames.cc uses the same table
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <Python.h>
 #include <numpy/arrayobject.h>
@@ -98,13 +99,15 @@ std::atomic<uint64_t> g_records_held{0};
 // in on first touch, which costs more than the copy itself; a small one from aligned_alloc takes
 // the allocator's arena lock against the receiver freeing the last batch, which cost a small tap
 // half its time. Buffers of 64 KiB and up come in size classes (four per power of two, so at
-// most 25 % slack), smaller ones by their exact size (a multiple of 64), and a buffer is kept while
-// the pooled buffers in use and free together stay within one budget plus one drained batch:
-// what the queue and a receiver's batch can hold at once. So a steady stream of taps always
-// hits, and the pool adds nothing to the memory bound (docs/reliability.md).
+// most 25 % slack), smaller ones by their exact size (a multiple of 64; free ones take at most
+// an eighth of the allowance), and a buffer is kept while the pooled buffers in use and free
+// together stay within one budget plus one drained batch: what the queue and a receiver's batch
+// can hold at once. So a steady stream of taps always hits, and the pool adds nothing to the
+// memory bound (docs/reliability.md).
 class BufferPool {
  public:
   static constexpr size_t kSizeClassesFrom = 64 << 10;
+  static constexpr uint64_t kSmallShare = 8;  // small buffers pooled: at most cap / kSmallShare
 
   // The size class a request of `size` bytes is served from (size itself below 64 KiB).
   static size_t ClassOf(size_t size) {
@@ -126,6 +129,7 @@ class BufferPool {
         uint8_t* data = found->second.back();
         found->second.pop_back();
         pooled_bytes_ -= wanted;
+        if (wanted < kSizeClassesFrom) pooled_small_bytes_ -= wanted;
         in_use_bytes_ += wanted;
         hits_ += 1;
         return data;
@@ -147,10 +151,15 @@ class BufferPool {
       in_use_bytes_ -= capacity;
       const uint64_t cap = g_max_queue_bytes.load(std::memory_order_relaxed) +
                            g_batch_bytes.load(std::memory_order_relaxed);
-      if (in_use_bytes_ + pooled_bytes_ + capacity <= cap) {
+      const bool small = capacity < kSizeClassesFrom;
+      // Small buffers keep to an eighth of the allowance: a backlog of small taps, once
+      // delivered, must not leave the pool too full to keep the large buffers it exists for.
+      if (in_use_bytes_ + pooled_bytes_ + capacity <= cap &&
+          (!small || pooled_small_bytes_ + capacity <= cap / kSmallShare)) {
         try {
           free_[capacity].push_back(data);
           pooled_bytes_ += capacity;
+          if (small) pooled_small_bytes_ += capacity;
           return;
         } catch (...) {  // no memory for the bookkeeping: free the buffer instead
         }
@@ -184,7 +193,7 @@ class BufferPool {
  private:
   std::mutex mu_;
   std::unordered_map<size_t, std::vector<uint8_t*>> free_;  // size class -> free buffers
-  uint64_t pooled_bytes_ = 0, in_use_bytes_ = 0, hits_ = 0, misses_ = 0;
+  uint64_t pooled_bytes_ = 0, pooled_small_bytes_ = 0, in_use_bytes_ = 0, hits_ = 0, misses_ = 0;
 };
 
 // Never destroyed (see the rules at the top).

@@ -335,8 +335,9 @@ class ReceiverPool:
                     current.record = record
                     result = consumer.call(record[4], device)
                     current.record = None
-                    outfeed.respond(key[1], record[2], results.result_leaves(consumer, result),
-                                    platform=key[0])
+                    if record[3] & wire.FLAG_EXPECTS_RESPONSE:
+                        outfeed.respond(key[1], record[2], results.result_leaves(consumer, result),
+                                        platform=key[0])
                 else:  # a tap: this record and the rest of its run in one tight loop
                     deliver, end = consumer.deliver, batches.run_end(batch, index - 1)
                     current.record = record

@@ -61,6 +61,13 @@ def make_template(batch: RecordBatch, fields: dict[str, Any]) -> FrameTemplate |
     """The template for ``batch``'s tap site and device, checked against the general encoder
     on its first record; None when the records must be framed in Python. ``fields`` are the
     record fields that never change: name, metadata, process, host, device, device_id."""
+    try:
+        return _checked_template(batch, fields)
+    except Exception:  # noqa: BLE001 - e.g. a pytree node that cannot hold the hole markers:
+        return None  # its records are framed in Python, as before templates
+
+
+def _checked_template(batch: RecordBatch, fields: dict[str, Any]) -> FrameTemplate | None:
     consumer, first = batch.consumer, batch.records[batch.start]
     leaves = first[4]
     if consumer.key_impls or not all(type(leaf) is np.ndarray for leaf in leaves):
@@ -77,13 +84,9 @@ def make_template(batch: RecordBatch, fields: dict[str, Any]) -> FrameTemplate |
         step_kind, step_size = step.dtype.kind, step.dtype.itemsize
         if step_kind not in _STEP_KINDS or step.size == 0:
             return None
-    try:
-        payload = pack(TapRecord(value=marked, step=holes[-3], sequence=holes[-2],
-                                 time=holes[-1], transforms=list(batch.transforms),
-                                 **fields).to_map())
-        heads = [_array_head(leaf) for leaf in leaves]
-    except TypeError:  # a dtype no reader could decode: the general path says so per record
-        return None
+    payload = pack(TapRecord(value=marked, step=holes[-3], sequence=holes[-2], time=holes[-1],
+                             transforms=list(batch.transforms), **fields).to_map())
+    heads = [_array_head(leaf) for leaf in leaves]  # TypeError: a dtype no reader decodes
     pieces, position = [], 0
     for index, hole in enumerate(holes):
         packed = pack(hole)

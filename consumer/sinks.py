@@ -240,8 +240,8 @@ def tap_to(sinks: Iterable[Sink], arg: Any, *, name: str, ordered: bool | None =
 class FileSink(FrameSink):
     """Appends records to a stream file; rotates it past ``max_bytes`` (0: never).
 
-    Every write is one complete frame, so a crash mid-write leaves every earlier record
-    readable. The file is flushed after each ``barrier_wait`` and at exit.
+    Every write is whole frames (one, or a receiver's batch of them), so a crash mid-write
+    leaves every earlier record readable. The file is flushed after each ``barrier_wait`` and at exit.
     """
 
     def __init__(self, path: str | os.PathLike, max_bytes: int = 0, backup_count: int = 5) -> None:

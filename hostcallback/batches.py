@@ -49,7 +49,7 @@ class RecordBatch:
     def values(self) -> Iterator[Any]:
         """Each record's tapped value, as the tap function would get it as ``arg``; while a
         value is being handled, ``current_record()`` names its record (and afterwards what it
-        named before)."""
+        named before). Iterate it on the receiver thread, inside ``tap_batch``."""
         before = getattr(current, "record", None)
         try:
             for record in self.records[self.start:self.stop]:

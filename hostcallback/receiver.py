@@ -36,6 +36,7 @@ from jax._src import core
 
 from hostcallback import batches, config, results, wire
 from hostcallback._native import outfeed
+from hostcallback.record_context import RecordContext, current_record  # noqa: F401 - old home
 from hostcallback.record_context import current as _current
 from hostcallback.registry import BARRIER_MARKER_ID, ConsumerRegistry, registry
 
@@ -351,6 +352,7 @@ class ReceiverPool:
             except BaseException as error:  # noqa: BLE001 - nothing a consumer raises stops us
                 current.record = None  # the loop goes on after the record that failed
                 self._consumer_failed(key, device, record, _without_locals(error))
+                current.record = None  # clearing the frames may close a batch's values()
         # A kept failure's traceback reaches this frame (its frames' f_back): let go of the batch.
         batch = record = None
 

@@ -113,6 +113,30 @@ def test_values_the_pieces_cannot_describe_get_no_template(value):
     assert make_template(_batch([value]), _FIELDS) is None
 
 
+class _Scaled:
+    """A pytree node whose unflatten computes with its children (it cannot hold hole markers)."""
+
+    def __init__(self, a):
+        self.a = a * 1.0
+
+    def __repr__(self):
+        return f"_Scaled({self.a.tolist()})"
+
+
+tree_util.register_pytree_node(_Scaled, lambda n: ((n.a,), None), lambda _, c: _Scaled(*c))
+
+
+def test_a_node_that_computes_with_its_children_gets_no_template_and_its_records_are_written(
+        tmp_path):
+    batch = _batch([_Scaled(np.ones(2, np.float32) * i) for i in range(3)])
+    assert make_template(batch, _FIELDS) is None
+    sink = FileSink(tmp_path / "s.hcbs")
+    SinkTap([sink], "t").tap_batch(batch)
+    sink.close()
+    assert [r.value for r in read_records(tmp_path / "s.hcbs")] == [
+        "_Scaled([0.0, 0.0])", "_Scaled([1.0, 1.0])", "_Scaled([2.0, 2.0])"]
+
+
 def test_the_time_is_the_wall_clock_when_a_record_is_framed():
     batch = _batch([{"x": np.float32(1)}])
     before = time.time()

@@ -141,8 +141,7 @@ class SinkTap:
         if context is None:
             device_name, device_id, sequence = "", -1, -1
         else:
-            device_name, device_id = (self._devices.get(context.device)
-                                      or self._device_fields(context.device))
+            device_name, device_id = self._device_fields(context.device)
             sequence = context.sequence
         now = time.time()
         data = record = None  # each built once, for the first sink that wants it
@@ -163,8 +162,7 @@ class SinkTap:
         """The receiver's runs of records (hostcallback.batches): each FrameSink gets the
         run's frames in one call, put together in C++ where the tap site has a FrameTemplate;
         the other sinks get a TapRecord per record, as from a call per record."""
-        device_name, device_id = (self._devices.get(batch.device)
-                                  or self._device_fields(batch.device))
+        device_name, device_id = self._device_fields(batch.device)
         first_error = None  # a sink that fails does not keep the others from the batch
         if self._frame_sinks:
             frames = self._frames(batch, device_name, device_id)
@@ -220,8 +218,10 @@ class SinkTap:
         return self._framer
 
     def _device_fields(self, device) -> tuple[str, int]:
-        """str(device) and its id, once per device (str of a jax Device is not free)."""
-        fields = self._devices[device] = (str(device), getattr(device, "id", -1))
+        """str(device) and its id, made once per device (str of a jax Device is not free)."""
+        fields = self._devices.get(device)
+        if fields is None:
+            fields = self._devices[device] = (str(device), getattr(device, "id", -1))
         return fields
 
 

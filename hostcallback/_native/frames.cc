@@ -1,9 +1,9 @@
-// Record-stream frames for many drained records at once (consumer/stream.py, "Record stream
-// format").
+// Record-stream frames for many drained records at once (the format: consumer/stream.py,
+// "Record stream format").
 //
 // The records of one tap site from one device differ only in their arrays' bytes, the step,
 // the sequence number and the time; every other byte of their frames is the same. Python
-// (consumer/stream.py, FrameTemplate) packs those fixed bytes once, as pieces around the holes,
+// (consumer/frame_templates.py, FrameTemplate) packs those fixed bytes once, as pieces around the holes,
 // and checks the result against its general encoder before using it. Here each record's frame
 // is put together from the pieces: the arrays' bytes copied in, the three numbers packed as
 // msgpack-python packs a Python int and float, and the frame's CRC-32. Nothing here decides
@@ -218,9 +218,11 @@ nb::list FrameRecords(nb::list records, size_t start, size_t stop,
     fixed += piece[i].second;
   }
   for (const LeafSpec& spec : specs) fixed += spec.bytes;
+  if (fixed > UINT32_MAX) throw nb::value_error("a record's frame is over 4 GiB");
 
   nb::list out;
   std::vector<const uint8_t*> data(leaves);
+  std::vector<nb::object> held(leaves);
   for (size_t r = start; r < stop; ++r) {
     PyObject* record = PyList_GET_ITEM(records.ptr(), r);
     if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != 5 ||
@@ -230,10 +232,12 @@ nb::list FrameRecords(nb::list records, size_t start, size_t stop,
     }
     const unsigned long long sequence = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(record, 2));
     if (PyErr_Occurred()) throw nb::python_error();
-    // The record holds its arrays alive while we copy from them, the GIL released or not.
-    nb::object held = nb::borrow(record);
+    // Each array held while we copy from it, the GIL released or not (its list is mutable).
     PyObject* arrays = PyTuple_GET_ITEM(record, 4);
-    for (size_t i = 0; i < leaves; ++i) data[i] = LeafData(PyList_GET_ITEM(arrays, i), specs[i]);
+    for (size_t i = 0; i < leaves; ++i) {
+      held[i] = nb::borrow(PyList_GET_ITEM(arrays, i));
+      data[i] = LeafData(held[i].ptr(), specs[i]);
+    }
     // Sized for the longest numbers, then cut to what was written.
     nb::object frame = nb::steal(PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(fixed)));
     if (!frame.is_valid()) throw nb::python_error();
@@ -269,7 +273,6 @@ nb::list FrameRecords(nb::list records, size_t start, size_t stop,
       std::memcpy(begin + 4, &payload_bytes, 4);  // little-endian, as the frame header is
       std::memcpy(begin + 8, &crc, 4);
     };
-    if (fixed > UINT32_MAX) throw nb::value_error("a record's frame is over 4 GiB");
     if (fixed >= kReleaseGilBytes) {
       nb::gil_scoped_release release;  // nothing below touches a Python object
       fill();

@@ -3,9 +3,13 @@
 A small MLP step (64 x 256 inputs, 256 x 256 weights) is run back to back, its results fed to the
 next step, the way a training loop runs. Variants: no tap; a tap of the loss that fires every step;
 a tap of the loss and the 256 KiB gradient every step; a tap inside a cond that never fires (what
-every 'print every N steps' costs on the other steps); each for hostcallback (default and
+every 'print every N steps' costs on the other steps) beside the same cond without a tap (what
+XLA's conditional costs by itself); each for hostcallback (default and
 ordered=True, and the callback transport, which GPU and TPU run today) and jax.debug.callback.
-"added %" is the cost relative to the step without a tap.
+"added %" is the cost relative to the step without a tap. "receiver us" is the CPU time
+hostcallback's receiver threads spent per step (waking, draining, calling the consumer): work
+that competes with the step for the machine's cores, and a figure that, unlike wall time, a
+noisy machine hardly moves. JAX's callbacks run on the device's own thread, so it has none.
 
 Usage: python bench/step_overhead.py [--steps N] [--rounds R]
 """
@@ -13,6 +17,7 @@ Usage: python bench/step_overhead.py [--steps N] [--rounds R]
 from __future__ import annotations
 
 import argparse
+import threading
 import time
 
 import jax
@@ -35,22 +40,26 @@ def on_callback_transport(tap):
     return traced
 
 
-def make_step(tap):
+def make_step(tap, uses_result=False):
     x = jnp.ones((64, 256))
 
     @jax.jit
     def step(w):
         loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
-        tap(loss, g)
-        return w - 0.01 * g
+        result = tap(loss, g)
+        # The control's cond must be used, or JAX would drop it; a tap stays by itself.
+        return w - 0.01 * g + (result if uses_result else 0)
 
     return step
 
 
+CONTROL = "jax cond, no tap (control)"
 TAPS = {
     "no tap": lambda loss, g: None,
     "hostcallback, every step": lambda loss, g: hcb.id_tap(discard, loss),
     "hostcallback, loss + grad": lambda loss, g: hcb.id_tap(discard, (loss, g)),
+    CONTROL: lambda loss, g: lax.cond(
+        loss < -1, lambda: jnp.sum(g), lambda: jnp.float32(0)),
     "hostcallback, never fires": lambda loss, g: lax.cond(
         loss < -1, lambda: (hcb.id_tap(discard, loss), None)[1], lambda: None),
     "hostcallback ordered, every step": lambda loss, g: hcb.id_tap(discard, loss, ordered=True),
@@ -67,33 +76,51 @@ TAPS = {
 }
 
 
+def receiver_cpu_seconds() -> float:
+    """CPU time used so far by the receiver threads (they start with the first tap)."""
+    total = 0.0
+    for thread in threading.enumerate():
+        if thread.name.startswith("hostcallback-receiver") and thread.ident is not None:
+            try:
+                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except OSError:  # the thread ended meanwhile
+                pass
+    return total
+
+
 def main(argv=None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args(argv)
-    steps = {name: make_step(tap) for name, tap in TAPS.items()}
+    steps = {name: make_step(tap, uses_result=name == CONTROL) for name, tap in TAPS.items()}
     w0 = jnp.ones((256, 256)) * 0.01
     for step in steps.values():
         step(w0).block_until_ready()
+    hcb.barrier_wait()
     best = {name: float("inf") for name in steps}
+    receiver = dict.fromkeys(steps, 0.0)
     for _ in range(args.rounds):  # interleaved, so that machine noise hits every variant alike
         for name, step in steps.items():
             w = w0
+            cpu_before = receiver_cpu_seconds()
             start = time.perf_counter()
             for _ in range(args.steps):
                 w = step(w)
             w.block_until_ready()
             best[name] = min(best[name], (time.perf_counter() - start) / args.steps)
-    hcb.barrier_wait()
+            hcb.barrier_wait()  # this variant's records are handled before the next one runs
+            receiver[name] += receiver_cpu_seconds() - cpu_before
     jax.effects_barrier()
     base = best["no tap"]
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; best of {args.rounds} rounds "
           f"of {args.steps} steps")
-    print(f"{'variant':<36}{'us/step':>10}{'added us':>10}{'added %':>9}")
+    print(f"{'variant':<36}{'us/step':>10}{'added us':>10}{'added %':>9}{'receiver us':>13}")
     for name, seconds in best.items():
+        cpu = ("" if name.startswith("debug.") else
+               f"{receiver[name] / (args.rounds * args.steps) * 1e6:.1f}")
         print(f"{name:<36}{seconds * 1e6:>10.1f}{(seconds - base) * 1e6:>10.1f}"
-              f"{(seconds - base) / base:>9.1%}")
+              f"{(seconds - base) / base:>9.1%}{cpu:>13}")
     return best
 
 

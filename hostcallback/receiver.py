@@ -49,6 +49,11 @@ _DRAIN_BYTES = 1 << 20
 # After the first record of a batch, drain() waits this long for more (not for a call or a
 # barrier marker): under load a receiver wakes once per batch, and a lone tap is this late.
 _COALESCE_SECONDS = 0.0002
+# After a batch, drain() waits this long for the next records before it asks to be woken for
+# the first one: a stream of taps (one a training step) wakes the receiver once per window, not
+# once or twice per record, and its devices make no wake-up call at all. A record in such a
+# stream is this late at most; a lone one after a quiet spell, _COALESCE_SECONDS.
+_LINGER_SECONDS = 0.001
 _POLL_SECONDS = 0.25
 _SUMMARY_SECONDS = 1.0  # repeated failures of one consumer are summarised at most this often
 _DRAIN_RETRY_SECONDS = 0.05
@@ -268,7 +273,8 @@ class ReceiverPool:
                 try:
                     batch, markers = outfeed.drain(ordinal, _DRAIN_RECORDS, _DRAIN_BYTES,
                                                    _POLL_SECONDS, platform=platform,
-                                                   coalesce_s=_COALESCE_SECONDS)
+                                                   coalesce_s=_COALESCE_SECONDS,
+                                                   linger_s=_LINGER_SECONDS)
                 except Exception as error:  # noqa: BLE001 - e.g. MemoryError; records not yet
                     # taken stay queued, a batch already taken is lost (the barrier says why)
                     self._record_failure("receiver", "drain()", device, error)

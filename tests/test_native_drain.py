@@ -247,6 +247,72 @@ def test_a_waiting_drain_gathers_the_records_that_follow_within_its_window():
     assert [int(r[4][0]) for r in records] == [1, 2]  # one batch, not two wake-ups
 
 
+@pytest.mark.parametrize("linger_s", [-1.0, float("nan"), 5.0])
+def test_a_bad_linger_window_is_refused(linger_s):
+    with pytest.raises(ValueError, match="linger_s"):
+        outfeed.drain(fresh_queue(), 1, 1, 0.001, platform=PLATFORM, linger_s=linger_s)
+
+
+def drain_in_background(device, **windows) -> tuple[threading.Thread, list]:
+    """A drain waiting on the empty queue (as a receiver's does), and where its batch will go."""
+    got: list = []
+    waiting = threading.Thread(target=lambda: got.append(outfeed.drain(
+        device, 100, 1 << 20, 10.0, platform=PLATFORM, **windows)))
+    waiting.start()
+    time.sleep(0.2)
+    return waiting, got
+
+
+def enqueue_values(device, *values):
+    for value in values:
+        outfeed.enqueue(device, 3, [leaf(np.int32(value))], platform=PLATFORM)
+
+
+@pytest.mark.timeout(60)
+def test_after_a_batch_a_drain_lingers_for_the_records_that_follow_unwoken():
+    device = fresh_queue()
+    enqueue_values(device, 0)
+    assert len(drain(device)[0]) == 1  # a batch: the stream is on
+    waiting, got = drain_in_background(device, linger_s=1.0)
+    enqueue_values(device, 1)  # does not wake it (no coalescing window: it would return alone)
+    time.sleep(0.1)
+    enqueue_values(device, 2)
+    waiting.join(30)
+    ((records, _),) = got
+    assert [int(r[4][0]) for r in records] == [1, 2]
+
+
+@pytest.mark.timeout(60)
+def test_after_an_empty_drain_the_first_record_wakes_the_next_at_once():
+    device = fresh_queue()
+    enqueue_values(device, 0)
+    drain(device)
+    assert outfeed.drain(device, 100, 1 << 20, 0.05, platform=PLATFORM,
+                         linger_s=0.01) == ([], [])  # the stream went quiet
+    waiting, got = drain_in_background(device, linger_s=1.0)
+    enqueue_values(device, 1)  # wakes it: it returns before the next one comes
+    time.sleep(0.3)
+    enqueue_values(device, 2)
+    waiting.join(30)
+    ((records, _),) = got
+    assert [int(r[4][0]) for r in records] == [1]
+
+
+@pytest.mark.timeout(60)
+def test_a_barrier_marker_ends_a_linger_at_once():
+    device = fresh_queue()
+    enqueue_values(device, 0)
+    drain(device)
+    waiting, got = drain_in_background(device, linger_s=1.0)
+    enqueue_values(device, 1)
+    outfeed.enqueue(device, BARRIER_MARKER_ID, [leaf(np.uint64(42))], platform=PLATFORM)  # wakes
+    time.sleep(0.3)
+    enqueue_values(device, 2)
+    waiting.join(30)
+    ((records, markers),) = got
+    assert ([int(r[4][0]) for r in records], markers) == ([1], [42])
+
+
 @pytest.mark.timeout(60)
 def test_a_lone_tap_is_delivered_without_a_barrier():
     delivered = threading.Event()

@@ -518,10 +518,14 @@ class DeviceQueue {
   // Waits up to timeout_s for a record, then takes records up to the given limits (at least
   // one when any is queued). With coalesce_s > 0 it then waits up to that long for a fuller
   // batch, unless a call or barrier marker is queued, a producer waits for room or the batch is
-  // full already: a lone record is late by at most coalesce_s. A closed queue still hands out
-  // what it holds. Never loses a record: the output is reserved before any leaves the queue.
+  // full already: a lone record is late by at most coalesce_s. With linger_s > 0, a Pop that
+  // follows one which handed out records first waits up to linger_s the same way, asking no
+  // producer to wake it: a steady stream of taps (one a training step) then costs the receiver
+  // one wake-up per linger_s and its producers none, and a record in it is late by at most
+  // linger_s. A closed queue still hands out what it holds. Never loses a record: the output is
+  // reserved before any leaves the queue.
   std::vector<Record> Pop(size_t max_records, size_t max_bytes, double timeout_s,
-                          double coalesce_s = 0) {
+                          double coalesce_s = 0, double linger_s = 0) {
     std::vector<Record> out;
     std::unique_lock<std::mutex> lock(mu_);
     batch_records_ = std::max<size_t>(max_records, 1);
@@ -529,16 +533,21 @@ class DeviceQueue {
     if (records_.empty() && !closed_) {
       auto ready = [&] { return closed_ || !records_.empty(); };
       receivers_waiting_ += 1;
-      if (WaitsForever(timeout_s)) {
-        not_empty_.wait(lock, ready);
-      } else {
-        not_empty_.wait_for(lock, std::chrono::duration<double>(timeout_s), ready);
+      const auto start = std::chrono::steady_clock::now();
+      if (linger_s > 0 && streaming_) {
+        const double linger = WaitsForever(timeout_s) ? linger_s : std::min(linger_s, timeout_s);
+        GatherFor(lock, linger);
       }
-      if (coalesce_s > 0 && !records_.empty() && !BatchReady()) {
-        coalescing_ += 1;
-        not_empty_.wait_for(lock, std::chrono::duration<double>(coalesce_s),
-                            [&] { return BatchReady(); });
-        coalescing_ -= 1;
+      if (!ready()) {
+        if (WaitsForever(timeout_s)) {
+          not_empty_.wait(lock, ready);
+        } else {
+          not_empty_.wait_until(
+              lock, start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                std::chrono::duration<double>(timeout_s)),
+              ready);
+        }
+        if (coalesce_s > 0 && !records_.empty()) GatherFor(lock, coalesce_s);
       }
       receivers_waiting_ -= 1;
     }
@@ -554,6 +563,7 @@ class DeviceQueue {
     stats_.bytes_delivered += bytes;
     stats_.bytes_queued -= bytes;
     stats_.batches += out.empty() ? 0 : 1;
+    streaming_ = !out.empty();
     lock.unlock();
     if (!out.empty()) not_full_.notify_all();
     return out;
@@ -610,6 +620,15 @@ class DeviceQueue {
            records_.size() >= batch_records_ || stats_.bytes_queued >= batch_bytes_;
   }
 
+  // Waits up to seconds for a batch worth waking for (BatchReady), while producers that find
+  // this receiver gathering leave it asleep for anything less (called under mu_).
+  void GatherFor(std::unique_lock<std::mutex>& lock, double seconds) {
+    if (BatchReady()) return;
+    coalescing_ += 1;
+    not_empty_.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return BatchReady(); });
+    coalescing_ -= 1;
+  }
+
   // Tickets are admitted in order: the next one in line is admitted_ (called under mu_).
   void Admit(uint64_t ticket) {
     admitted_ = std::max(admitted_, ticket + 1);
@@ -641,6 +660,7 @@ class DeviceQueue {
   // Drains waiting (for a first record, or gathering a batch: coalescing_ of them).
   size_t receivers_waiting_ = 0, coalescing_ = 0;
   size_t urgent_queued_ = 0, batch_records_ = 1, batch_bytes_ = 1;
+  bool streaming_ = false;  // the last Pop handed out records: more are likely on their way
   std::string failure_;
   QueueStats stats_;
 };
@@ -1098,10 +1118,13 @@ nb::list ArraysOf(const Record& r, PyObject* owner) {
 // be decoded, a str saying why, so that only its own consumer fails. The markers are taken out
 // before anything can fail, and every record is owned or returned to the pool on every path.
 nb::tuple Drain(int device, size_t max_records, size_t max_bytes, double timeout_s,
-                const std::string& platform, double coalesce_s) {
+                const std::string& platform, double coalesce_s, double linger_s) {
   if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) throw nb::value_error(bad.c_str());
   if (std::isnan(coalesce_s) || coalesce_s < 0 || coalesce_s > 1) {
     throw nb::value_error("coalesce_s must be between 0 and 1 second");
+  }
+  if (std::isnan(linger_s) || linger_s < 0 || linger_s > 1) {
+    throw nb::value_error("linger_s must be between 0 and 1 second");
   }
   DeviceQueue* queue = CheckedQueue(platform, device);
   LoadDtypes();  // before any record leaves the queue
@@ -1110,7 +1133,7 @@ nb::tuple Drain(int device, size_t max_records, size_t max_bytes, double timeout
   std::vector<Record> records;
   {
     nb::gil_scoped_release release;
-    records = queue->Pop(max_records, max_bytes, timeout_s, coalesce_s);
+    records = queue->Pop(max_records, max_bytes, timeout_s, coalesce_s, linger_s);
   }
   // Barrier markers first, before any Python object is made.
   std::vector<uint64_t> marker_values;
@@ -1293,9 +1316,11 @@ NB_MODULE(_hostcallback_outfeed, m) {
   });
   m.def("drain", &Drain, nb::arg("device"), nb::arg("max_records"), nb::arg("max_bytes"),
         nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform, nb::arg("coalesce_s") = 0.0,
+        nb::arg("linger_s") = 0.0,
         "Waits (GIL released) up to timeout_s (0 or inf: forever) for records of one device, "
         "then up to coalesce_s more for a fuller batch (not when a call or barrier marker is "
-        "queued); returns (records, markers): records as (consumer_id, device, sequence, "
+        "queued); after a drain that returned records, first up to linger_s for the next ones "
+        "without their producers waking it; returns (records, markers): records as (consumer_id, device, sequence, "
         "flags, [read-only zero-copy numpy arrays]) in queue order, markers as the values of "
         "the batch's barrier markers. max_bytes is capped at the queue budget.");
   m.def("drain_raw", &DrainRaw, nb::arg("device"), nb::arg("max_records"), nb::arg("max_bytes"),

@@ -4,12 +4,15 @@ A small MLP step (64 x 256 inputs, 256 x 256 weights) is run back to back, its r
 next step, the way a training loop runs. Variants: no tap; a tap of the loss that fires every step;
 a tap of the loss and the 256 KiB gradient every step; a tap inside a cond that never fires (what
 every 'print every N steps' costs on the other steps) beside the same cond without a tap (what
-XLA's conditional costs by itself); each for hostcallback (default and
-ordered=True, and the callback transport, which GPU and TPU run today) and jax.debug.callback.
-"added %" is the cost relative to the step without a tap. "receiver us" is the CPU time
-hostcallback's receiver threads spent per step (waking, draining, calling the consumer): work
-that competes with the step for the machine's cores, and a figure that, unlike wall time, a
-noisy machine hardly moves. JAX's callbacks run on the device's own thread, so it has none.
+XLA's conditional costs by itself); each for hostcallback (default and ordered=True, and the
+callback transport, which GPU and TPU run today) and jax.debug.callback.
+
+"added %" is the cost relative to the step without a tap: the median over the rounds of each
+round's ratio, with the quartiles of those ratios beside it to show how much the machine moved it.
+"receiver us" is the CPU time hostcallback's receiver threads spent per step (waking, draining,
+calling the consumer): work that competes with the step for the machine's cores, and a figure
+that, unlike wall time, a noisy machine hardly moves. JAX's callbacks run on the device's own
+thread, so they have none.
 
 Usage: python bench/step_overhead.py [--steps N] [--rounds R]
 """
@@ -17,6 +20,7 @@ Usage: python bench/step_overhead.py [--steps N] [--rounds R]
 from __future__ import annotations
 
 import argparse
+import statistics
 import threading
 import time
 
@@ -90,15 +94,15 @@ def receiver_cpu_seconds() -> float:
 
 def main(argv=None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=250)
+    parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args(argv)
     steps = {name: make_step(tap, uses_result=name == CONTROL) for name, tap in TAPS.items()}
     w0 = jnp.ones((256, 256)) * 0.01
     for step in steps.values():
         step(w0).block_until_ready()
     hcb.barrier_wait()
-    best = {name: float("inf") for name in steps}
+    times: dict[str, list[float]] = {name: [] for name in steps}
     receiver = dict.fromkeys(steps, 0.0)
     for _ in range(args.rounds):  # interleaved, so that machine noise hits every variant alike
         for name, step in steps.items():
@@ -108,20 +112,26 @@ def main(argv=None) -> dict[str, float]:
             for _ in range(args.steps):
                 w = step(w)
             w.block_until_ready()
-            best[name] = min(best[name], (time.perf_counter() - start) / args.steps)
+            times[name].append((time.perf_counter() - start) / args.steps)
             hcb.barrier_wait()  # this variant's records are handled before the next one runs
             receiver[name] += receiver_cpu_seconds() - cpu_before
     jax.effects_barrier()
-    base = best["no tap"]
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; best of {args.rounds} rounds "
-          f"of {args.steps} steps")
-    print(f"{'variant':<36}{'us/step':>10}{'added us':>10}{'added %':>9}{'receiver us':>13}")
-    for name, seconds in best.items():
+    # Each round's variant against the same round's step without a tap: the median of those
+    # ratios, with their quartiles as the spread, is what a drifting machine moves least.
+    base = times["no tap"]
+    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}; {args.rounds} rounds of "
+          f"{args.steps} steps; medians, added % with its quartiles over the rounds")
+    print(f"{'variant':<36}{'us/step':>10}{'added %':>9}{'quartiles':>17}{'receiver us':>13}")
+    added = {}
+    for name, seconds in times.items():
+        q1, median, q3 = statistics.quantiles(
+            [t / b - 1 for t, b in zip(seconds, base)], n=4, method="inclusive")
+        added[name] = median
         cpu = ("" if name.startswith("debug.") else
                f"{receiver[name] / (args.rounds * args.steps) * 1e6:.1f}")
-        print(f"{name:<36}{seconds * 1e6:>10.1f}{(seconds - base) * 1e6:>10.1f}"
-              f"{(seconds - base) / base:>9.1%}{cpu:>13}")
-    return best
+        print(f"{name:<36}{statistics.median(seconds) * 1e6:>10.1f}{median:>9.1%}"
+              f"{f'{q1:.1%} .. {q3:.1%}':>17}{cpu:>13}")
+    return added
 
 
 if __name__ == "__main__":

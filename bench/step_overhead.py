@@ -11,7 +11,8 @@ callback transport, which GPU and TPU run today) and jax.debug.callback.
 round's ratio, with the quartiles of those ratios beside it to show how much the machine moved it.
 "receiver us" is the CPU time hostcallback's receiver threads spent per step (waking, draining,
 calling the consumer): work that competes with the step for the machine's cores, and a figure
-that, unlike wall time, a noisy machine hardly moves. JAX's callbacks run on the device's own
+that, unlike wall time, a noisy machine hardly moves (each round ends with a barrier_wait, whose
+own share every row carries, as the untapped row shows). JAX's callbacks run on the device's own
 thread, so they have none.
 
 Usage: python bench/step_overhead.py [--steps N] [--rounds R]
@@ -20,6 +21,7 @@ Usage: python bench/step_overhead.py [--steps N] [--rounds R]
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import threading
 import time
@@ -97,6 +99,8 @@ def main(argv=None) -> dict[str, float]:
     parser.add_argument("--steps", type=int, default=250)
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args(argv)
+    if args.rounds < 2:
+        parser.error("--rounds must be at least 2: the spread needs two rounds")
     steps = {name: make_step(tap, uses_result=name == CONTROL) for name, tap in TAPS.items()}
     w0 = jnp.ones((256, 256)) * 0.01
     for step in steps.values():
@@ -104,8 +108,12 @@ def main(argv=None) -> dict[str, float]:
     hcb.barrier_wait()
     times: dict[str, list[float]] = {name: [] for name in steps}
     receiver = dict.fromkeys(steps, 0.0)
+    order = list(steps)
+    shuffle = random.Random(0).shuffle
     for _ in range(args.rounds):  # interleaved, so that machine noise hits every variant alike
-        for name, step in steps.items():
+        shuffle(order)  # and in a new order each round, so that no variant always follows another
+        for name in order:
+            step = steps[name]
             w = w0
             cpu_before = receiver_cpu_seconds()
             start = time.perf_counter()

@@ -49,10 +49,10 @@ _DRAIN_BYTES = 1 << 20
 # After the first record of a batch, drain() waits this long for more (not for a call or a
 # barrier marker): under load a receiver wakes once per batch, and a lone tap is this late.
 _COALESCE_SECONDS = 0.0002
-# After a batch, drain() waits this long for the next records before it asks to be woken for
-# the first one: a stream of taps (one a training step) wakes the receiver once per window, not
-# once or twice per record, and its devices make no wake-up call at all. A record in such a
-# stream is this late at most; a lone one after a quiet spell, _COALESCE_SECONDS.
+# While records come less than this far apart, drain() first waits this long for the next ones
+# before it asks to be woken for the first: a stream of taps (one a short training step) wakes
+# the receiver once per window, not once or twice per record, and its devices make no wake-up
+# call at all. A record in such a stream is this late at most; a lone one, _COALESCE_SECONDS.
 _LINGER_SECONDS = 0.001
 _POLL_SECONDS = 0.25
 _SUMMARY_SECONDS = 1.0  # repeated failures of one consumer are summarised at most this often

@@ -268,18 +268,43 @@ def enqueue_values(device, *values):
         outfeed.enqueue(device, 3, [leaf(np.int32(value))], platform=PLATFORM)
 
 
+def wakeups(device) -> int:
+    return outfeed.stats(device, platform=PLATFORM)["receiver_wakeups"]
+
+
 @pytest.mark.timeout(60)
 def test_after_a_batch_a_drain_lingers_for_the_records_that_follow_unwoken():
     device = fresh_queue()
     enqueue_values(device, 0)
     assert len(drain(device)[0]) == 1  # a batch: the stream is on
     waiting, got = drain_in_background(device, linger_s=1.0)
+    before = wakeups(device)
     enqueue_values(device, 1)  # does not wake it (no coalescing window: it would return alone)
     time.sleep(0.1)
     enqueue_values(device, 2)
+    assert wakeups(device) == before  # and no wake-up call was made for them
     waiting.join(30)
     ((records, _),) = got
     assert [int(r[4][0]) for r in records] == [1, 2]
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_slower_than_the_window_is_not_lingered_for():
+    device = fresh_queue()
+    enqueue_values(device, 0)
+    drain(device)
+    waiting, got = drain_in_background(device, linger_s=0.05)
+    enqueue_values(device, 1)  # came after the window: the stream is slower than it
+    waiting.join(30)
+    waiting, got = drain_in_background(device, linger_s=1.0)
+    before = wakeups(device)
+    enqueue_values(device, 2)  # wakes it at once, as after a quiet spell
+    time.sleep(0.3)
+    enqueue_values(device, 3)
+    waiting.join(30)
+    ((records, _),) = got
+    assert [int(r[4][0]) for r in records] == [2]
+    assert wakeups(device) > before
 
 
 @pytest.mark.timeout(60)

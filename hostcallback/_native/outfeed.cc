@@ -334,6 +334,7 @@ struct QueueStats {
   uint64_t waits = 0, wait_ns = 0;
   uint64_t producers_waiting = 0;
   uint64_t batches = 0;  // non-empty drains: records_delivered / batches is the mean batch
+  uint64_t receiver_wakeups = 0;  // times a producer woke the receiver (a syscall on its thread)
 };
 
 class DeviceQueue;
@@ -509,6 +510,7 @@ class DeviceQueue {
     // is ready: under load a receiver wakes once per batch, not once per record.
     const bool wake = receivers_waiting_ > coalescing_ || (receivers_waiting_ > 0 && BatchReady());
     const bool others_wait = stats_.producers_waiting > 0;
+    if (wake) stats_.receiver_wakeups += 1;
     lock.unlock();
     if (wake) not_empty_.notify_all();  // one receiver per queue: all is one
     if (others_wait) not_full_.notify_all();  // the next in line may fit now
@@ -518,35 +520,39 @@ class DeviceQueue {
   // Waits up to timeout_s for a record, then takes records up to the given limits (at least
   // one when any is queued). With coalesce_s > 0 it then waits up to that long for a fuller
   // batch, unless a call or barrier marker is queued, a producer waits for room or the batch is
-  // full already: a lone record is late by at most coalesce_s. With linger_s > 0, a Pop that
-  // follows one which handed out records first waits up to linger_s the same way, asking no
-  // producer to wake it: a steady stream of taps (one a training step) then costs the receiver
-  // one wake-up per linger_s and its producers none, and a record in it is late by at most
-  // linger_s. A closed queue still hands out what it holds. Never loses a record: the output is
-  // reserved before any leaves the queue.
+  // full already: a lone record is late by at most coalesce_s. With linger_s > 0, while records
+  // come less than linger_s apart (the last Pop found some, or had them within linger_s), a Pop
+  // first waits up to linger_s the same way, asking no producer to wake it: such a stream (one
+  // tap a short training step) costs the receiver one wake-up per linger_s and its producers
+  // none, and a record in it is late by at most linger_s. A slower stream is not lingered for,
+  // which would only add a wake-up. A closed queue still hands out what it holds. Never loses a
+  // record: the output is reserved before any leaves the queue.
   std::vector<Record> Pop(size_t max_records, size_t max_bytes, double timeout_s,
                           double coalesce_s = 0, double linger_s = 0) {
     std::vector<Record> out;
     std::unique_lock<std::mutex> lock(mu_);
     batch_records_ = std::max<size_t>(max_records, 1);
     batch_bytes_ = std::max<size_t>(max_bytes, 1);
+    bool soon = true;  // records were there, or came within linger_s
     if (records_.empty() && !closed_) {
       auto ready = [&] { return closed_ || !records_.empty(); };
+      auto after = [](auto start, double seconds) {
+        return start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                           std::chrono::duration<double>(seconds));
+      };
       receivers_waiting_ += 1;
       const auto start = std::chrono::steady_clock::now();
       if (linger_s > 0 && streaming_) {
-        const double linger = WaitsForever(timeout_s) ? linger_s : std::min(linger_s, timeout_s);
-        GatherFor(lock, linger);
+        GatherFor(lock, WaitsForever(timeout_s) ? linger_s : std::min(linger_s, timeout_s));
+        soon = ready();
       }
       if (!ready()) {
         if (WaitsForever(timeout_s)) {
           not_empty_.wait(lock, ready);
         } else {
-          not_empty_.wait_until(
-              lock, start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                std::chrono::duration<double>(timeout_s)),
-              ready);
+          not_empty_.wait_until(lock, after(start, timeout_s), ready);
         }
+        soon = soon && std::chrono::steady_clock::now() < after(start, linger_s);
         if (coalesce_s > 0 && !records_.empty()) GatherFor(lock, coalesce_s);
       }
       receivers_waiting_ -= 1;
@@ -563,7 +569,7 @@ class DeviceQueue {
     stats_.bytes_delivered += bytes;
     stats_.bytes_queued -= bytes;
     stats_.batches += out.empty() ? 0 : 1;
-    streaming_ = !out.empty();
+    streaming_ = !out.empty() && soon;
     lock.unlock();
     if (!out.empty()) not_full_.notify_all();
     return out;
@@ -660,7 +666,9 @@ class DeviceQueue {
   // Drains waiting (for a first record, or gathering a batch: coalescing_ of them).
   size_t receivers_waiting_ = 0, coalescing_ = 0;
   size_t urgent_queued_ = 0, batch_records_ = 1, batch_bytes_ = 1;
-  bool streaming_ = false;  // the last Pop handed out records: more are likely on their way
+  // The last Pop handed out records that were there or came within its linger_s: more are
+  // likely to come as soon.
+  bool streaming_ = false;
   std::string failure_;
   QueueStats stats_;
 };
@@ -1270,6 +1278,7 @@ nb::dict StatsOf(int device, const std::string& platform) {
   d["wait_seconds"] = static_cast<double>(s.wait_ns) * 1e-9;
   d["producers_waiting"] = s.producers_waiting;
   d["batches"] = s.batches;
+  d["receiver_wakeups"] = s.receiver_wakeups;
   d["calls_waiting"] = calls_waiting;
   d["answers_unclaimed"] = answers_unclaimed;
   return d;

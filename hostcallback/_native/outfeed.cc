@@ -1328,8 +1328,9 @@ NB_MODULE(_hostcallback_outfeed, m) {
         nb::arg("linger_s") = 0.0,
         "Waits (GIL released) up to timeout_s (0 or inf: forever) for records of one device, "
         "then up to coalesce_s more for a fuller batch (not when a call or barrier marker is "
-        "queued); after a drain that returned records, first up to linger_s for the next ones "
-        "without their producers waking it; returns (records, markers): records as (consumer_id, device, sequence, "
+        "queued); while records come less than linger_s apart, first up to linger_s for the "
+        "next ones without their producers waking it; returns (records, markers): records as "
+        "(consumer_id, device, sequence, "
         "flags, [read-only zero-copy numpy arrays]) in queue order, markers as the values of "
         "the batch's barrier markers. max_bytes is capped at the queue budget.");
   m.def("drain_raw", &DrainRaw, nb::arg("device"), nb::arg("max_records"), nb::arg("max_bytes"),

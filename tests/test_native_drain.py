@@ -263,9 +263,24 @@ def drain_in_background(device, **windows) -> tuple[threading.Thread, list]:
     return waiting, got
 
 
+def batch_taken(waiting, got) -> tuple[list[int], list[int]]:
+    """The values of the records (and the markers) that a background drain returned."""
+    waiting.join(30)
+    ((records, markers),) = got
+    return [int(r[4][0]) for r in records], markers
+
+
 def enqueue_values(device, *values):
     for value in values:
         outfeed.enqueue(device, 3, [leaf(np.int32(value))], platform=PLATFORM)
+
+
+def streaming_queue() -> int:
+    """A queue whose last drain handed out a batch: its records are flowing."""
+    device = fresh_queue()
+    enqueue_values(device, 0)
+    assert len(drain(device)[0]) == 1
+    return device
 
 
 def wakeups(device) -> int:
@@ -274,25 +289,19 @@ def wakeups(device) -> int:
 
 @pytest.mark.timeout(60)
 def test_after_a_batch_a_drain_lingers_for_the_records_that_follow_unwoken():
-    device = fresh_queue()
-    enqueue_values(device, 0)
-    assert len(drain(device)[0]) == 1  # a batch: the stream is on
+    device = streaming_queue()
     waiting, got = drain_in_background(device, linger_s=1.0)
     before = wakeups(device)
     enqueue_values(device, 1)  # does not wake it (no coalescing window: it would return alone)
     time.sleep(0.1)
     enqueue_values(device, 2)
     assert wakeups(device) == before  # and no wake-up call was made for them
-    waiting.join(30)
-    ((records, _),) = got
-    assert [int(r[4][0]) for r in records] == [1, 2]
+    assert batch_taken(waiting, got)[0] == [1, 2]
 
 
 @pytest.mark.timeout(60)
 def test_a_stream_slower_than_the_window_is_not_lingered_for():
-    device = fresh_queue()
-    enqueue_values(device, 0)
-    drain(device)
+    device = streaming_queue()
     waiting, got = drain_in_background(device, linger_s=0.05)
     enqueue_values(device, 1)  # came after the window: the stream is slower than it
     waiting.join(30)
@@ -301,41 +310,31 @@ def test_a_stream_slower_than_the_window_is_not_lingered_for():
     enqueue_values(device, 2)  # wakes it at once, as after a quiet spell
     time.sleep(0.3)
     enqueue_values(device, 3)
-    waiting.join(30)
-    ((records, _),) = got
-    assert [int(r[4][0]) for r in records] == [2]
+    assert batch_taken(waiting, got)[0] == [2]
     assert wakeups(device) > before
 
 
 @pytest.mark.timeout(60)
 def test_after_an_empty_drain_the_first_record_wakes_the_next_at_once():
-    device = fresh_queue()
-    enqueue_values(device, 0)
-    drain(device)
+    device = streaming_queue()
     assert outfeed.drain(device, 100, 1 << 20, 0.05, platform=PLATFORM,
                          linger_s=0.01) == ([], [])  # the stream went quiet
     waiting, got = drain_in_background(device, linger_s=1.0)
     enqueue_values(device, 1)  # wakes it: it returns before the next one comes
     time.sleep(0.3)
     enqueue_values(device, 2)
-    waiting.join(30)
-    ((records, _),) = got
-    assert [int(r[4][0]) for r in records] == [1]
+    assert batch_taken(waiting, got)[0] == [1]
 
 
 @pytest.mark.timeout(60)
 def test_a_barrier_marker_ends_a_linger_at_once():
-    device = fresh_queue()
-    enqueue_values(device, 0)
-    drain(device)
+    device = streaming_queue()
     waiting, got = drain_in_background(device, linger_s=1.0)
     enqueue_values(device, 1)
     outfeed.enqueue(device, BARRIER_MARKER_ID, [leaf(np.uint64(42))], platform=PLATFORM)  # wakes
     time.sleep(0.3)
     enqueue_values(device, 2)
-    waiting.join(30)
-    ((records, markers),) = got
-    assert ([int(r[4][0]) for r in records], markers) == ([1], [42])
+    assert batch_taken(waiting, got) == ([1], [42])
 
 
 @pytest.mark.timeout(60)

@@ -1125,15 +1125,18 @@ nb::list ArraysOf(const Record& r, PyObject* owner) {
 // read-only views of the record, owned by one capsule per record; or, for a record that cannot
 // be decoded, a str saying why, so that only its own consumer fails. The markers are taken out
 // before anything can fail, and every record is owned or returned to the pool on every path.
+// A drain's waiting windows (coalesce_s, linger_s) are bounded: 0 to 1 second.
+void CheckWindow(const char* name, double seconds) {
+  if (std::isnan(seconds) || seconds < 0 || seconds > 1) {
+    throw nb::value_error((std::string(name) + " must be between 0 and 1 second").c_str());
+  }
+}
+
 nb::tuple Drain(int device, size_t max_records, size_t max_bytes, double timeout_s,
                 const std::string& platform, double coalesce_s, double linger_s) {
   if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) throw nb::value_error(bad.c_str());
-  if (std::isnan(coalesce_s) || coalesce_s < 0 || coalesce_s > 1) {
-    throw nb::value_error("coalesce_s must be between 0 and 1 second");
-  }
-  if (std::isnan(linger_s) || linger_s < 0 || linger_s > 1) {
-    throw nb::value_error("linger_s must be between 0 and 1 second");
-  }
+  CheckWindow("coalesce_s", coalesce_s);
+  CheckWindow("linger_s", linger_s);
   DeviceQueue* queue = CheckedQueue(platform, device);
   LoadDtypes();  // before any record leaves the queue
   max_bytes = std::min<uint64_t>(max_bytes, g_max_queue_bytes.load());

@@ -71,6 +71,35 @@ def test_records_keep_their_queue_order_and_sequence_numbers():
     assert [r[2] for r in records] == [0, 1, 2, 3, 4]
 
 
+def enqueue_values(device, *values):
+    for value in values:
+        outfeed.enqueue(device, 3, [leaf(np.int32(value))], platform=PLATFORM)
+
+
+def drained_values(device, max_records):
+    records, _ = drain(device, max_records)
+    return [int(r[4][0]) for r in records]
+
+
+def test_queue_order_holds_when_the_queue_grows_while_wrapped_around():
+    device = fresh_queue()
+    enqueue_values(device, *range(50))
+    assert drained_values(device, 30) == list(range(30))  # the oldest record is mid-queue
+    enqueue_values(device, *range(50, 200))  # wraps around, then grows
+    assert drained_values(device, 1000) == list(range(30, 200))
+
+
+def test_queue_order_holds_after_a_large_backlog_is_drained_and_a_new_one_queued():
+    device = fresh_queue()
+    backlog = 70_000  # more than a queue keeps room for once it is empty
+    for _ in range(2):
+        enqueue_values(device, *range(backlog))
+        got = []
+        while len(got) < backlog:
+            got += drained_values(device, 4096)
+        assert got == list(range(backlog))
+
+
 def test_barrier_markers_come_back_apart_and_never_as_records():
     device = fresh_queue()
     outfeed.enqueue(device, 3, [leaf(np.int32(1))], platform=PLATFORM)
@@ -268,11 +297,6 @@ def batch_taken(waiting, got) -> tuple[list[int], list[int]]:
     waiting.join(30)
     ((records, markers),) = got
     return [int(r[4][0]) for r in records], markers
-
-
-def enqueue_values(device, *values):
-    for value in values:
-        outfeed.enqueue(device, 3, [leaf(np.int32(value))], platform=PLATFORM)
 
 
 def streaming_queue() -> int:

@@ -60,12 +60,18 @@ def test_the_cpp_and_python_encoders_give_identical_bytes(arrays):
     assert bytes(raw) == wire.encode_record(7, device, sequence, arrays)
 
 
-def test_padding_in_a_recycled_buffer_is_zero():
+# Each pair: a record of 0xFF bytes, then one of the same pooled size whose arrays leave gaps
+# where the first had data (a 1-byte array, then the next one 63 bytes on).
+RECYCLED = {
+    "large": ([np.full(1 << 16, 0xFF, np.uint8)],
+              [np.ones(1, np.uint8), np.full((1 << 16) - 64, 7, np.uint8)]),
+    "small": ([np.full(128, 0xFF, np.uint8)], [np.ones(1, np.uint8), np.full(1, 7, np.uint8)]),
+}
+
+
+@pytest.mark.parametrize("old, new", RECYCLED.values(), ids=RECYCLED.keys())
+def test_padding_in_a_recycled_buffer_is_zero(old, new):
     device = fresh_queue()
-    # 64 KiB of 0xFF, then a record of the same size whose second array starts 63 bytes after
-    # a 1-byte first one: the pool hands it the same buffer, and the gap must be zero.
-    old = [np.full(1 << 16, 0xFF, np.uint8)]
-    new = [np.ones(1, np.uint8), np.full((1 << 16) - 64, 7, np.uint8)]
     outfeed.enqueue(device, 1, [leaf(a) for a in old], platform=PLATFORM)
     first = drain_one(device)
     assert first.size == len(wire.encode_record(1, device, 0, new))  # the same pooled size

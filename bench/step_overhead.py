@@ -23,12 +23,12 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import threading
 import time
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from receiver_cpu import receiver_cpu_seconds
 
 import hostcallback as hcb
 from hostcallback import config
@@ -80,18 +80,6 @@ TAPS = {
     "debug.callback, never fires": lambda loss, g: lax.cond(
         loss < -1, lambda: jax.debug.callback(discard, loss), lambda: None),
 }
-
-
-def receiver_cpu_seconds() -> float:
-    """CPU time used so far by the receiver threads (they start with the first tap)."""
-    total = 0.0
-    for thread in threading.enumerate():
-        if thread.name.startswith("hostcallback-receiver") and thread.ident is not None:
-            try:
-                total += time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-            except OSError:  # the thread ended meanwhile
-                pass
-    return total
 
 
 def main(argv=None) -> dict[str, float]:

@@ -47,7 +47,8 @@ _DRAIN_RECORDS = 1024
 # so each returns to the buffer pool as soon as it is delivered.
 _DRAIN_BYTES = 1 << 20
 # After the first record of a batch, drain() waits this long for more (not for a call or a
-# barrier marker): under load a receiver wakes once per batch, and a lone tap is this late.
+# barrier marker): under load a receiver wakes once per batch, and a lone tap is this late. The
+# wait is skipped after one that gathered nothing, until a burst comes (outfeed.cc, Pop).
 _COALESCE_SECONDS = 0.0002
 # While records come less than this far apart, drain() first waits this long for the next ones
 # before it asks to be woken for the first: a stream of taps (one a short training step) wakes

@@ -299,6 +299,37 @@ def batch_taken(waiting, got) -> tuple[list[int], list[int]]:
     return [int(r[4][0]) for r in records], markers
 
 
+def queue_after_a_window_that_gathered_nothing() -> int:
+    """A queue whose last coalescing window (0.5 s) waited for more records in vain."""
+    device = fresh_queue()
+    waiting, got = drain_in_background(device, coalesce_s=0.5)
+    enqueue_values(device, 0)
+    assert batch_taken(waiting, got)[0] == [0]
+    return device
+
+
+@pytest.mark.timeout(60)
+def test_after_a_window_that_gathered_nothing_a_lone_record_is_not_held_back():
+    device = queue_after_a_window_that_gathered_nothing()
+    waiting, got = drain_in_background(device, coalesce_s=0.5)
+    enqueue_values(device, 1)  # handed out at once: a slow stream pays no second wake-up
+    time.sleep(0.3)
+    enqueue_values(device, 2)
+    assert batch_taken(waiting, got)[0] == [1]
+
+
+@pytest.mark.timeout(60)
+def test_a_burst_brings_the_coalescing_window_back():
+    device = queue_after_a_window_that_gathered_nothing()
+    enqueue_values(device, 1, 2)  # a burst: found queued together
+    assert drained_values(device, 100) == [1, 2]
+    waiting, got = drain_in_background(device, coalesce_s=0.5)
+    enqueue_values(device, 3)
+    time.sleep(0.2)
+    enqueue_values(device, 4)
+    assert batch_taken(waiting, got)[0] == [3, 4]
+
+
 def streaming_queue() -> int:
     """A queue whose last drain handed out a batch: its records are flowing."""
     device = fresh_queue()

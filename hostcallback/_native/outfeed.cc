@@ -636,7 +636,10 @@ class DeviceQueue {
   // Waits up to timeout_s for a record, then takes records up to the given limits (at least
   // one when any is queued). With coalesce_s > 0 it then waits up to that long for a fuller
   // batch, unless a call or barrier marker is queued, a producer waits for room or the batch is
-  // full already: a lone record is late by at most coalesce_s. With linger_s > 0, while records
+  // full already: a lone record is late by at most coalesce_s. Such a wait is made only while
+  // it pays: after one that gathered nothing, later Pops skip it (a record of a slow stream
+  // would pay a second wake-up for it) until one finds more than one record queued, as in a
+  // burst or under load. With linger_s > 0, while records
   // come less than linger_s apart (the last Pop found some, or had them within linger_s), a Pop
   // first waits up to linger_s the same way, asking no producer to wake it: such a stream (one
   // tap a short training step) costs the receiver one wake-up per linger_s and its producers
@@ -669,10 +672,15 @@ class DeviceQueue {
           not_empty_.wait_until(lock, after(start, timeout_s), ready);
         }
         soon = soon && std::chrono::steady_clock::now() < after(start, linger_s);
-        if (coalesce_s > 0 && !records_.empty()) GatherFor(lock, coalesce_s);
+        if (coalesce_s > 0 && !records_.empty() && coalescing_pays_) {
+          const size_t found = records_.size();
+          GatherFor(lock, coalesce_s);
+          coalescing_pays_ = records_.size() > found;
+        }
       }
       receivers_waiting_ -= 1;
     }
+    if (records_.size() > 1) coalescing_pays_ = true;  // a burst, or load: a window gathers
     out.reserve(std::min(max_records, records_.size()));
     size_t bytes = 0;
     while (!records_.empty() && out.size() < max_records && (out.empty() || bytes < max_bytes)) {
@@ -786,6 +794,8 @@ class DeviceQueue {
   // The last Pop handed out records that were there or came within its linger_s: more are
   // likely to come as soon.
   bool streaming_ = false;
+  // The last coalescing wait gathered more records, or a Pop found several queued since.
+  bool coalescing_pays_ = true;
   std::string failure_;
   QueueStats stats_;
 };
@@ -1450,7 +1460,7 @@ NB_MODULE(_hostcallback_outfeed, m) {
         nb::arg("linger_s") = 0.0,
         "Waits (GIL released) up to timeout_s (0 or inf: forever) for records of one device, "
         "then up to coalesce_s more for a fuller batch (not when a call or barrier marker is "
-        "queued); while records come less than linger_s apart, first up to linger_s for the "
+        "queued, nor after such a wait gathered nothing until a burst comes); while records come less than linger_s apart, first up to linger_s for the "
         "next ones without their producers waking it; returns (records, markers): records as "
         "(consumer_id, device, sequence, "
         "flags, [read-only zero-copy numpy arrays]) in queue order, markers as the values of "

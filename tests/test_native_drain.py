@@ -207,10 +207,31 @@ def enqueue(value):
 """
 
 
-def pool_hits_and_misses(body: str) -> list[str]:
-    """Runs ``body`` after _POOL_SCRIPT in a fresh process (the pool is shared by every queue,
-    and earlier tests leave it full); it prints the hits and misses it counted."""
-    result = run_python(_POOL_SCRIPT + textwrap.dedent(body), devices=1)
+_RECEIVER_THREAD = """
+import threading
+
+def receiver_thread(count, drains_again):
+    \"\"\"A thread that drains `count` records and drops them, drains once more if told, and
+    stays alive until its returned event is set.\"\"\"
+    done, finish = threading.Event(), threading.Event()
+    def run():
+        assert len(drain()) == count  # the batch is dropped at once
+        if drains_again:
+            outfeed.drain(0, 1024, 1 << 20, 0.001, platform="decoded")
+        done.set()
+        finish.wait(60)
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert done.wait(60)
+    return thread, finish
+
+"""
+
+
+def pool_hits_and_misses(body: str, setup: str = "") -> list[str]:
+    """Runs ``body`` after _POOL_SCRIPT and ``setup`` in a fresh process (the pool is shared by
+    every queue, and earlier tests leave it full); it prints the hits and misses it counted."""
+    result = run_python(_POOL_SCRIPT + setup + textwrap.dedent(body), devices=1)
     assert result.returncode == 0, result.stderr
     return result.stdout.split()
 
@@ -226,6 +247,49 @@ def test_small_records_reuse_pooled_buffers_instead_of_allocating():
         after = outfeed.pool_stats()
         print(after["hits"] - before["hits"], after["misses"] - before["misses"])
     """) == ["100", "0"]
+
+
+def test_a_receivers_released_records_reach_the_pool_when_its_next_drain_begins():
+    assert pool_hits_and_misses(setup=_RECEIVER_THREAD, body="""
+        for value in range(10):  # this thread never drains: only the receiver's releases count
+            enqueue(np.int32(value))
+        thread, finish = receiver_thread(10, drains_again=True)
+        before = outfeed.pool_stats()
+        for value in range(10):
+            enqueue(np.int32(value))
+        after = outfeed.pool_stats()
+        print(after["hits"] - before["hits"], after["misses"] - before["misses"])
+        finish.set()
+    """) == ["10", "0"]
+
+
+def test_a_receiver_that_does_not_drain_again_still_returns_its_records_64_at_a_time():
+    assert pool_hits_and_misses(setup=_RECEIVER_THREAD, body="""
+        for value in range(100):
+            enqueue(np.int32(value))
+        thread, finish = receiver_thread(100, drains_again=False)
+        before = outfeed.pool_stats()
+        for value in range(100):
+            enqueue(np.int32(value))
+        after = outfeed.pool_stats()
+        print(after["hits"] - before["hits"], after["misses"] - before["misses"])
+        finish.set()
+    """) == ["64", "36"]
+
+
+def test_a_receiver_thread_that_ends_returns_the_records_it_released():
+    assert pool_hits_and_misses(setup=_RECEIVER_THREAD, body="""
+        for value in range(10):
+            enqueue(np.int32(value))
+        thread, finish = receiver_thread(10, drains_again=False)
+        finish.set()
+        thread.join(60)
+        before = outfeed.pool_stats()
+        for value in range(10):
+            enqueue(np.int32(value))
+        after = outfeed.pool_stats()
+        print(after["hits"] - before["hits"], after["misses"] - before["misses"])
+    """) == ["10", "0"]
 
 
 def test_a_backlog_of_small_records_leaves_the_pool_room_for_large_ones():

@@ -107,7 +107,7 @@ class BufferPool {
  public:
   static constexpr size_t kSizeClassesFrom = 64 << 10;
   static constexpr uint64_t kSmallShare = 8;  // small buffers pooled: at most cap / kSmallShare
-  static constexpr size_t kPrefetchBytes = 256;  // the next buffer is fetched ahead up to this
+  static constexpr size_t kPrefetchBytes = 256;  // free buffers up to this size are prefetched
 
   // The size class a request of `size` bytes is served from (size itself below 64 KiB).
   static size_t ClassOf(size_t size) {
@@ -128,8 +128,9 @@ class BufferPool {
       if (found != free_.end() && !found->second.empty()) {
         uint8_t* data = found->second.back();
         found->second.pop_back();
-        // The next buffer's lines were last read by a receiver on another core: ask for them
-        // now, so that the next tap does not wait for them.
+        // The next buffer's lines were last read by a receiver on another core: fetch them
+        // now, so that the next tap does not wait for them (a read prefetch on baseline x86-64,
+        // which has no write hint; it still took most of that wait off a small tap).
         if (!found->second.empty() && wanted <= kPrefetchBytes) {
           for (size_t i = 0; i < wanted; i += 64) __builtin_prefetch(found->second.back() + i, 1);
         }
@@ -224,19 +225,21 @@ class BufferPool {
 BufferPool& g_pool = *new BufferPool();
 
 // The small records a receiver thread released while it handled a batch, returned to the pool
-// together when its next drain begins (or when kSize gathered): one pool lock per batch, not
-// one per record, so the pool's lock and free lists stay in the device thread's cache instead
-// of crossing between cores with every tap. Only threads that drain gather; others, and large
-// records, go back at once.
+// together: one pool lock per batch, not one per record, so the pool's lock and free lists stay
+// in the device thread's cache instead of crossing between cores with every tap. They go back
+// when the thread's next drain begins, when kSize are gathered, before the thread builds a
+// record itself, when it asks for pool_stats(), and when it exits; until then they count as in
+// use. Only threads that drain gather; other threads, and large records, return them at once.
 class ReleasedRecords {
  public:
   static constexpr size_t kSize = 64;
-  ~ReleasedRecords() { Flush(); }
+  ~ReleasedRecords();
   void Add(const Record& record) noexcept {
     buffers_[count_++] = {record.data, record.capacity};
     if (count_ == kSize) Flush();
   }
   void Flush() noexcept {
+    if (count_ == 0) return;
     g_pool.PutMany(buffers_, count_);
     count_ = 0;
   }
@@ -248,6 +251,13 @@ class ReleasedRecords {
 
 thread_local bool t_drains = false;  // this thread has called drain(): it gathers releases
 thread_local ReleasedRecords t_released;
+
+// At thread exit: what is gathered goes back, and a release after this (a record freed by a
+// later thread-exit handler) goes straight to the pool instead of to a destroyed list.
+ReleasedRecords::~ReleasedRecords() {
+  Flush();
+  t_drains = false;
+}
 
 void ReleaseRecord(const Record& record) noexcept {
   if (t_drains && record.capacity < BufferPool::kSizeClassesFrom) {
@@ -518,7 +528,7 @@ Responses& g_responses = *new Responses();
 // The records of one queue, oldest first, in a circular buffer that grows by doubling: a
 // stream of taps allocates nothing per record (a std::deque took a block from malloc every 16
 // records, which the receiver's thread then freed). Once empty, a ring that a backlog grew
-// past kKeptSlots gives its memory back (TakeSpare).
+// past kKeptSlots gives all its memory back (TakeSpare).
 class RecordRing {
  public:
   static constexpr size_t kKeptSlots = size_t{1} << 16;  // 2 MiB
@@ -539,7 +549,8 @@ class RecordRing {
     count_ -= 1;
   }
 
-  // An empty ring's memory beyond kKeptSlots, for the caller to free outside its lock.
+  // All the memory of an empty ring grown past kKeptSlots (none otherwise), for the caller to
+  // free outside its lock.
   std::vector<Record> TakeSpare() {
     std::vector<Record> spare;
     if (count_ == 0 && slots_.size() > kKeptSlots) {
@@ -1097,7 +1108,8 @@ DeviceQueue* CheckedQueue(const std::string& platform, int device) {
 
 // Hands each record out as a read-only array owning it. Exception-safe: a record is owned by
 // its capsule once wrapped; if wrapping one fails, it and every later record go back to the
-// pool before the error propagates, so nothing leaks and the caller sees the error.
+// pool (ReleaseRecord) before the error propagates, so nothing leaks and the caller sees the
+// error.
 nb::list DrainRaw(int device, size_t max_records, size_t max_bytes, double timeout_s,
                   const std::string& platform) {
   if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) throw nb::value_error(bad.c_str());
@@ -1252,7 +1264,7 @@ nb::list ArraysOf(const Record& r, PyObject* owner) {
 // the barrier markers of this batch (they never reach Python as records). arrays is a list of
 // read-only views of the record, owned by one capsule per record; or, for a record that cannot
 // be decoded, a str saying why, so that only its own consumer fails. The markers are taken out
-// before anything can fail, and every record is owned or returned to the pool on every path.
+// before anything can fail, and every record is owned or released (ReleaseRecord) on every path.
 // A drain's waiting windows (coalesce_s, linger_s) are bounded: 0 to 1 second.
 void CheckWindow(const char* name, double seconds) {
   if (std::isnan(seconds) || seconds < 0 || seconds > 1) {
@@ -1494,8 +1506,12 @@ NB_MODULE(_hostcallback_outfeed, m) {
   m.def("max_queue_bytes", []() { return g_max_queue_bytes.load(); });
   m.def("pooled_bytes", []() { return g_pool.PooledBytes(); },
         "Bytes of free record buffers kept for reuse.");
-  m.def("pool_stats", []() { return g_pool.Stats(); },
-        "The buffer pool: pooled_bytes (free), in_use_bytes, hits and misses, records_held.");
+  m.def("pool_stats", []() {
+          if (t_drains) t_released.Flush();  // this thread's released records count as pooled
+          return g_pool.Stats();
+        },
+        "The buffer pool: pooled_bytes (free), in_use_bytes, hits and misses, records_held. "
+        "in_use_bytes includes small records a receiver released since its last drain.");
   DefineFrameFunctions(m);
   m.attr("NATIVE_PLATFORM") = kNativePlatform;
   m.attr("WIRE_VERSION") = kVersion;

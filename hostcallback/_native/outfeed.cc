@@ -650,13 +650,13 @@ class DeviceQueue {
   // full already: a lone record is late by at most coalesce_s. Such a wait is made only while
   // it pays: after one that gathered nothing, later Pops skip it (a record of a slow stream
   // would pay a second wake-up for it) until one finds more than one record queued, as in a
-  // burst or under load. With linger_s > 0, while records
-  // come less than linger_s apart (the last Pop found some, or had them within linger_s), a Pop
-  // first waits up to linger_s the same way, asking no producer to wake it: such a stream (one
-  // tap a short training step) costs the receiver one wake-up per linger_s and its producers
-  // none, and a record in it is late by at most linger_s. A slower stream is not lingered for,
-  // which would only add a wake-up. A closed queue still hands out what it holds. Never loses a
-  // record: the output is reserved before any leaves the queue.
+  // burst or under load. With linger_s > 0, while records come less than linger_s apart (the
+  // last Pop found some, or had them within linger_s), a Pop first waits up to linger_s the same
+  // way, asking no producer to wake it: such a stream (one tap a short training step) costs the
+  // receiver one wake-up per linger_s and its producers none, and a record in it is late by at
+  // most linger_s. A slower stream is not lingered for, which would only add a wake-up. A closed
+  // queue still hands out what it holds. Never loses a record: the output is reserved before any
+  // leaves the queue.
   std::vector<Record> Pop(size_t max_records, size_t max_bytes, double timeout_s,
                           double coalesce_s = 0, double linger_s = 0) {
     std::vector<Record> out;
@@ -1472,11 +1472,11 @@ NB_MODULE(_hostcallback_outfeed, m) {
         nb::arg("linger_s") = 0.0,
         "Waits (GIL released) up to timeout_s (0 or inf: forever) for records of one device, "
         "then up to coalesce_s more for a fuller batch (not when a call or barrier marker is "
-        "queued, nor after such a wait gathered nothing until a burst comes); while records come less than linger_s apart, first up to linger_s for the "
-        "next ones without their producers waking it; returns (records, markers): records as "
-        "(consumer_id, device, sequence, "
-        "flags, [read-only zero-copy numpy arrays]) in queue order, markers as the values of "
-        "the batch's barrier markers. max_bytes is capped at the queue budget.");
+        "queued, nor after such a wait gathered nothing until a burst comes); while records "
+        "come less than linger_s apart, first up to linger_s for the next ones without their "
+        "producers waking it; returns (records, markers): records as (consumer_id, device, "
+        "sequence, flags, [read-only zero-copy numpy arrays]) in queue order, markers as the "
+        "values of the batch's barrier markers. max_bytes is capped at the queue budget.");
   m.def("drain_raw", &DrainRaw, nb::arg("device"), nb::arg("max_records"), nb::arg("max_bytes"),
         nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
         "Like drain, undecoded: a list of read-only uint8 arrays, one a record, each owning its "

@@ -281,9 +281,14 @@ def test_a_receiver_thread_that_ends_returns_the_records_it_released():
     assert pool_hits_and_misses(setup=_RECEIVER_THREAD, body="""
         for value in range(10):
             enqueue(np.int32(value))
+        import time
         thread, finish = receiver_thread(10, drains_again=False)
+        pooled = outfeed.pool_stats()["pooled_bytes"]
         finish.set()
-        thread.join(60)
+        thread.join(60)  # returns before the thread's C++ thread-locals are destroyed, so:
+        deadline = time.monotonic() + 10
+        while outfeed.pool_stats()["pooled_bytes"] == pooled and time.monotonic() < deadline:
+            time.sleep(0.01)
         before = outfeed.pool_stats()
         for value in range(10):
             enqueue(np.int32(value))

@@ -90,10 +90,10 @@ def run_stream(call, taps: int, interval_s: float) -> float:
 def measure(interval_s: float, taps: int, rounds: int) -> dict[str, dict[str, float]]:
     calls = {}
     for kind in TAPS:
-        with transport(kind):
+        with transport(kind):  # compiled before timing, with each transport's barrier
             calls[kind] = make_call(kind)
-            calls[kind](jnp.float32(0.0)).block_until_ready()  # compiled before timing
-    hcb.barrier_wait()
+            calls[kind](jnp.float32(0.0)).block_until_ready()
+            hcb.barrier_wait()
     cpu = {kind: [] for kind in TAPS}
     receiver = {kind: [0.0, 0, 0] for kind in TAPS}  # CPU seconds, batches, device wake-ups
     for _ in range(rounds):

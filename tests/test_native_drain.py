@@ -368,11 +368,23 @@ def batch_taken(waiting, got) -> tuple[list[int], list[int]]:
     return [int(r[4][0]) for r in records], markers
 
 
+def wakeups(device) -> int:
+    return outfeed.stats(device, platform=PLATFORM)["receiver_wakeups"]
+
+
+def woken_with(device, *values) -> None:
+    """Enqueues values that a drain already waiting on the empty queue is woken for (a wake-up
+    call proves it was waiting, so that its coalescing window opens for them)."""
+    before = wakeups(device)
+    enqueue_values(device, *values)
+    assert wakeups(device) == before + 1
+
+
 def queue_after_a_window_that_gathered_nothing() -> int:
     """A queue whose last coalescing window (0.5 s) waited for more records in vain."""
     device = fresh_queue()
     waiting, got = drain_in_background(device, coalesce_s=0.5)
-    enqueue_values(device, 0)
+    woken_with(device, 0)
     assert batch_taken(waiting, got)[0] == [0]
     return device
 
@@ -381,10 +393,32 @@ def queue_after_a_window_that_gathered_nothing() -> int:
 def test_after_a_window_that_gathered_nothing_a_lone_record_is_not_held_back():
     device = queue_after_a_window_that_gathered_nothing()
     waiting, got = drain_in_background(device, coalesce_s=0.5)
-    enqueue_values(device, 1)  # handed out at once: a slow stream pays no second wake-up
+    woken_with(device, 1)  # handed out at once: a slow stream pays no second wake-up
     time.sleep(0.3)
     enqueue_values(device, 2)
     assert batch_taken(waiting, got)[0] == [1]
+
+
+@pytest.mark.timeout(60)
+def test_one_record_found_queued_leaves_the_coalescing_window_off():
+    device = queue_after_a_window_that_gathered_nothing()
+    enqueue_values(device, 1)
+    assert drained_values(device, 100) == [1]
+    waiting, got = drain_in_background(device, coalesce_s=0.5)
+    woken_with(device, 2)
+    time.sleep(0.3)
+    enqueue_values(device, 3)
+    assert batch_taken(waiting, got)[0] == [2]
+
+
+def gathers_the_next_two(device) -> bool:
+    """Whether a waiting drain's coalescing window (0.5 s) gathers a record 0.2 s after the one
+    that woke it."""
+    waiting, got = drain_in_background(device, coalesce_s=0.5)
+    woken_with(device, 3)
+    time.sleep(0.2)
+    enqueue_values(device, 4)
+    return batch_taken(waiting, got)[0] == [3, 4]
 
 
 @pytest.mark.timeout(60)
@@ -392,11 +426,16 @@ def test_a_burst_brings_the_coalescing_window_back():
     device = queue_after_a_window_that_gathered_nothing()
     enqueue_values(device, 1, 2)  # a burst: found queued together
     assert drained_values(device, 100) == [1, 2]
+    assert gathers_the_next_two(device)
+
+
+@pytest.mark.timeout(60)
+def test_a_lone_barrier_marker_does_not_turn_the_coalescing_window_off():
+    device = fresh_queue()
     waiting, got = drain_in_background(device, coalesce_s=0.5)
-    enqueue_values(device, 3)
-    time.sleep(0.2)
-    enqueue_values(device, 4)
-    assert batch_taken(waiting, got)[0] == [3, 4]
+    outfeed.enqueue(device, BARRIER_MARKER_ID, [leaf(np.uint64(7))], platform=PLATFORM)
+    assert batch_taken(waiting, got) == ([], [7])  # handed out at once, no window
+    assert gathers_the_next_two(device)
 
 
 def streaming_queue() -> int:
@@ -405,10 +444,6 @@ def streaming_queue() -> int:
     enqueue_values(device, 0)
     assert len(drain(device)[0]) == 1
     return device
-
-
-def wakeups(device) -> int:
-    return outfeed.stats(device, platform=PLATFORM)["receiver_wakeups"]
 
 
 @pytest.mark.timeout(60)

@@ -683,7 +683,9 @@ class DeviceQueue {
           not_empty_.wait_until(lock, after(start, timeout_s), ready);
         }
         soon = soon && std::chrono::steady_clock::now() < after(start, linger_s);
-        if (coalesce_s > 0 && !records_.empty() && coalescing_pays_) {
+        // (A batch ready at once, as a lone call or barrier marker is, opens no window and
+        // so says nothing of whether one pays.)
+        if (coalesce_s > 0 && !records_.empty() && coalescing_pays_ && !BatchReady()) {
           const size_t found = records_.size();
           GatherFor(lock, coalesce_s);
           coalescing_pays_ = records_.size() > found;

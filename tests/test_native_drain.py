@@ -279,9 +279,9 @@ def test_a_receiver_that_does_not_drain_again_still_returns_its_records_64_at_a_
 
 def test_a_receiver_thread_that_ends_returns_the_records_it_released():
     assert pool_hits_and_misses(setup=_RECEIVER_THREAD, body="""
+        import time
         for value in range(10):
             enqueue(np.int32(value))
-        import time
         thread, finish = receiver_thread(10, drains_again=False)
         pooled = outfeed.pool_stats()["pooled_bytes"]
         finish.set()

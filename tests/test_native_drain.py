@@ -225,6 +225,17 @@ def receiver_thread(count, drains_again):
     assert done.wait(60)
     return thread, finish
 
+def enqueue_many(count):
+    for value in range(count):
+        enqueue(np.int32(value))
+
+def enqueue_counting(count):
+    \"\"\"Enqueues `count` records and prints the pool hits and misses they took.\"\"\"
+    before = outfeed.pool_stats()
+    enqueue_many(count)
+    after = outfeed.pool_stats()
+    print(after["hits"] - before["hits"], after["misses"] - before["misses"])
+
 """
 
 
@@ -251,28 +262,18 @@ def test_small_records_reuse_pooled_buffers_instead_of_allocating():
 
 def test_a_receivers_released_records_reach_the_pool_when_its_next_drain_begins():
     assert pool_hits_and_misses(setup=_RECEIVER_THREAD, body="""
-        for value in range(10):  # this thread never drains: only the receiver's releases count
-            enqueue(np.int32(value))
+        enqueue_many(10)  # this thread never drains: only the receiver's releases count
         thread, finish = receiver_thread(10, drains_again=True)
-        before = outfeed.pool_stats()
-        for value in range(10):
-            enqueue(np.int32(value))
-        after = outfeed.pool_stats()
-        print(after["hits"] - before["hits"], after["misses"] - before["misses"])
+        enqueue_counting(10)
         finish.set()
     """) == ["10", "0"]
 
 
 def test_a_receiver_that_does_not_drain_again_still_returns_its_records_64_at_a_time():
     assert pool_hits_and_misses(setup=_RECEIVER_THREAD, body="""
-        for value in range(100):
-            enqueue(np.int32(value))
+        enqueue_many(100)
         thread, finish = receiver_thread(100, drains_again=False)
-        before = outfeed.pool_stats()
-        for value in range(100):
-            enqueue(np.int32(value))
-        after = outfeed.pool_stats()
-        print(after["hits"] - before["hits"], after["misses"] - before["misses"])
+        enqueue_counting(100)
         finish.set()
     """) == ["64", "36"]
 
@@ -280,8 +281,7 @@ def test_a_receiver_that_does_not_drain_again_still_returns_its_records_64_at_a_
 def test_a_receiver_thread_that_ends_returns_the_records_it_released():
     assert pool_hits_and_misses(setup=_RECEIVER_THREAD, body="""
         import time
-        for value in range(10):
-            enqueue(np.int32(value))
+        enqueue_many(10)
         thread, finish = receiver_thread(10, drains_again=False)
         pooled = outfeed.pool_stats()["pooled_bytes"]
         finish.set()
@@ -289,11 +289,7 @@ def test_a_receiver_thread_that_ends_returns_the_records_it_released():
         deadline = time.monotonic() + 10
         while outfeed.pool_stats()["pooled_bytes"] == pooled and time.monotonic() < deadline:
             time.sleep(0.01)
-        before = outfeed.pool_stats()
-        for value in range(10):
-            enqueue(np.int32(value))
-        after = outfeed.pool_stats()
-        print(after["hits"] - before["hits"], after["misses"] - before["misses"])
+        enqueue_counting(10)
     """) == ["10", "0"]
 
 

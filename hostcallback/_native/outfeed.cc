@@ -34,6 +34,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #define PY_ARRAY_UNIQUE_SYMBOL hostcallback_ARRAY_API  // frames.cc uses the same table
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <Python.h>
@@ -71,6 +75,18 @@ struct ArrayView {
   size_t ndim;
   const void* data;
   uint64_t byte_size;
+};
+
+// The arrays of one record: a tap handler's on its stack, the host's in a vector.
+struct ArrayViews {
+  ArrayViews(const ArrayView* views, size_t n) : first(views), count(n) {}
+  ArrayViews(const std::vector<ArrayView>& views) : first(views.data()), count(views.size()) {}
+  const ArrayView* begin() const { return first; }
+  const ArrayView* end() const { return first + count; }
+  size_t size() const { return count; }
+
+  const ArrayView* first;
+  size_t count;
 };
 
 template <typename T>
@@ -329,18 +345,23 @@ void CopyArray(uint8_t* dst, const uint8_t* src, size_t bytes, ffi::ThreadPool* 
 constexpr uint16_t kFlagExpectsResponse = 1;  // a `call`: the device waits for the host's answer
 constexpr uint64_t kBarrierMarkerId = 0;       // registry.BARRIER_MARKER_ID
 
-// Zeroes n bytes (a multiple of kAlignment) a line at a time: a fixed-size memset compiles to
-// a few vector stores, where a variable one is a `rep stos` that cost a small tap a fifth of
-// its time.
+// Zeroes n bytes (a multiple of kAlignment, at an aligned address) with 16-byte stores. GCC
+// compiles a memset, even of a fixed 64 bytes, to a `rep stos` whose start-up cost a small tap
+// a quarter of its enqueue.
 void ZeroLines(uint8_t* at, size_t n) {
-  for (size_t i = 0; i < n; i += kAlignment) std::memset(at + i, 0, kAlignment);
+#if defined(__SSE2__)
+  const __m128i zero = _mm_setzero_si128();
+  for (size_t i = 0; i < n; i += 16) _mm_store_si128(reinterpret_cast<__m128i*>(at + i), zero);
+#else
+  std::memset(at, 0, n);
+#endif
 }
 
 // Builds the record; every byte that is not a field or an array element is zero (padding
 // included), so a recycled buffer never carries an earlier record's bytes. Throws bad_alloc.
 // A pool (XLA's intra-op threads) copies large arrays on several threads.
-Record EncodeRecord(uint64_t consumer_id, uint32_t device, const std::vector<ArrayView>& arrays,
-                    uint16_t flags = 0, ffi::ThreadPool* pool = nullptr) {
+Record EncodeRecord(uint64_t consumer_id, uint32_t device, ArrayViews arrays, uint16_t flags = 0,
+                    ffi::ThreadPool* pool = nullptr) {
   size_t header = kFixedHeaderBytes;
   for (const ArrayView& a : arrays) header += kDescriptorBytes + 8 * a.ndim;
   header = AlignUp(header);
@@ -349,7 +370,6 @@ Record EncodeRecord(uint64_t consumer_id, uint32_t device, const std::vector<Arr
   size = AlignUp(std::max<size_t>(size, kAlignment));
 
   Record r;
-  if (t_drains) t_released.Flush();  // a thread that drains and enqueues reuses its own first
   r.data = g_pool.Get(size, &r.capacity);
   if (r.data == nullptr) throw std::bad_alloc();
   r.size = size;
@@ -836,25 +856,27 @@ DeviceQueue* LookUpQueue(const std::string& platform, int device) {
   return q;
 }
 
-// The native handlers' lookup: each device thread taps one device, so the last lookup is
-// cached and the hot path takes no lock.
+// The native handlers' lookup: queues live forever, so the first devices' are kept in a table
+// read without a lock (or a thread-local, which costs a call into the dynamic linker a tap).
+constexpr int kTabledDevices = 1024;
+std::atomic<DeviceQueue*> g_native_queues[kTabledDevices];
+
 DeviceQueue* NativeQueueFor(int device) {
-  thread_local int cached_device = -1;
-  thread_local DeviceQueue* cached_queue = nullptr;
-  if (device == cached_device) return cached_queue;
-  DeviceQueue* q = LookUpQueue(kNativePlatform, device);
-  cached_device = device;
-  cached_queue = q;
+  if (device >= kTabledDevices) return LookUpQueue(kNativePlatform, device);
+  DeviceQueue* q = g_native_queues[device].load(std::memory_order_acquire);
+  if (q == nullptr) {
+    q = LookUpQueue(kNativePlatform, device);
+    g_native_queues[device].store(q, std::memory_order_release);
+  }
   return q;
 }
 
-// Why a record could not be enqueued, or the empty string when it was (then *sequence is set).
-// timeout_s bounds the wait for room (a `call`'s timeout; 0: forever). Throws bad_alloc when
-// the record cannot be allocated; the record never leaks.
-std::string Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id,
-                    const std::vector<ArrayView>& arrays, uint16_t flags = 0,
-                    uint64_t* sequence = nullptr, double timeout_s = 0,
-                    ffi::ThreadPool* pool = nullptr) {
+// The record's sequence number, or DeviceQueue::kClosed or kTimedOut (WhyNotEnqueued says
+// why: no message is built for a tap that went in). timeout_s bounds the wait for room (a
+// `call`'s timeout; 0: forever). Throws bad_alloc when the record cannot be allocated; the
+// record never leaks.
+int64_t Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
+                uint16_t flags = 0, double timeout_s = 0, ffi::ThreadPool* pool = nullptr) {
   Record record = EncodeRecord(consumer_id, static_cast<uint32_t>(device), arrays, flags, pool);
   const bool expects_response = (flags & kFlagExpectsResponse) != 0;
   int64_t pushed = DeviceQueue::kClosed;
@@ -865,47 +887,52 @@ std::string Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id,
     ReleaseRecord(record);
     throw;
   }
-  if (pushed < 0) {
-    ReleaseRecord(record);
-    return pushed == DeviceQueue::kTimedOut
-               ? TimeoutMessage(timeout_s) + " (its device's queue stayed full)"
-               : queue->ClosedReason();
-  }
-  if (sequence != nullptr) *sequence = static_cast<uint64_t>(pushed);
-  return "";
+  if (pushed < 0) ReleaseRecord(record);
+  return pushed;
+}
+
+std::string WhyNotEnqueued(DeviceQueue* queue, int64_t pushed, double timeout_s) {
+  return pushed == DeviceQueue::kTimedOut
+             ? TimeoutMessage(timeout_s) + " (its device's queue stayed full)"
+             : queue->ClosedReason();
+}
+
+// What this thread gathered, if it drains, goes back to the pool now: before it enqueues from
+// the host (so it reuses its own buffers first) and before it reports pool_stats().
+void FlushOwnReleases() noexcept {
+  if (t_drains) t_released.Flush();
 }
 
 // Sends a call record and waits for the answer; fills *response or says why it could not.
-std::string CallHost(DeviceQueue* queue, int device, uint64_t consumer_id,
-                     const std::vector<ArrayView>& arrays, double timeout_s, Response* response) {
+std::string CallHost(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
+                     double timeout_s, Response* response) {
   // One timeout for the whole call: waiting for room in the queue, then for the answer.
   const auto start = std::chrono::steady_clock::now();
-  uint64_t sequence = 0;
-  std::string problem =
-      Enqueue(queue, device, consumer_id, arrays, kFlagExpectsResponse, &sequence, timeout_s);
-  if (!problem.empty()) return problem;
+  const int64_t pushed =
+      Enqueue(queue, device, consumer_id, arrays, kFlagExpectsResponse, timeout_s);
+  if (pushed < 0) return WhyNotEnqueued(queue, pushed, timeout_s);
   double left = timeout_s;
   if (!WaitsForever(timeout_s)) {
     const double spent =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     left = std::max(timeout_s - spent, 1e-6);  // > 0: a spent timeout must not mean "forever"
   }
-  return g_responses.Wait({queue, sequence}, left, response, timeout_s);
+  return g_responses.Wait({queue, static_cast<uint64_t>(pushed)}, left, response, timeout_s);
 }
 
 // ---- the FFI handlers ------------------------------------------------------------------------
 
-// The arrays to send: every operand but the ordering token.
-ffi::Error CollectArrays(ffi::RemainingArgs& args, std::vector<ArrayView>* out) {
-  out->reserve(args.size());
+// The arrays to send: every operand but the ordering token, into out (room for args.size()).
+ffi::Error CollectArrays(ffi::RemainingArgs& args, ArrayView* out, size_t* count) {
+  *count = 0;
   for (size_t i = 0; i < args.size(); ++i) {
     ffi::ErrorOr<ffi::AnyBuffer> arg = args.get<ffi::AnyBuffer>(i);
     if (!arg.has_value()) return arg.error();
     ffi::AnyBuffer buffer = arg.value();
     if (buffer.element_type() == ffi::DataType::TOKEN) continue;
     auto dims = buffer.dimensions();
-    out->push_back(ArrayView{static_cast<uint8_t>(buffer.element_type()), dims.begin(),
-                             dims.size(), buffer.untyped_data(), buffer.size_bytes()});
+    out[(*count)++] = ArrayView{static_cast<uint8_t>(buffer.element_type()), dims.begin(),
+                                dims.size(), buffer.untyped_data(), buffer.size_bytes()};
   }
   return ffi::Error::Success();
 }
@@ -925,6 +952,8 @@ ffi::Error Guarded(Body body) noexcept {
   }
 }
 
+constexpr size_t kArraysOnStack = 16;
+
 // emit_device >= 0: only that device enqueues (a whole-value tap lowered on every device).
 ffi::Error TapImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consumer_id,
                    int64_t emit_device, ffi::RemainingArgs args, ffi::RemainingRets rets) {
@@ -935,13 +964,20 @@ ffi::Error TapImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consum
       return ffi::Error::Internal("hostcallback: negative device ordinal " +
                                   std::to_string(device_ordinal));
     }
-    // Reused per device thread: a tap allocates nothing but its record.
-    thread_local std::vector<ArrayView> arrays;
-    arrays.clear();
-    if (ffi::Error error = CollectArrays(args, &arrays); error.failure()) return error;
-    std::string problem = Enqueue(NativeQueueFor(device_ordinal), device_ordinal, consumer_id,
-                                  arrays, 0, nullptr, 0, &pool);
-    if (!problem.empty()) return ffi::Error::Internal(problem);
+    // On the stack for all but the widest taps: a tap allocates nothing but its record.
+    ArrayView on_stack[kArraysOnStack];
+    std::vector<ArrayView> on_heap;
+    ArrayView* views = on_stack;
+    if (args.size() > kArraysOnStack) {
+      on_heap.resize(args.size());
+      views = on_heap.data();
+    }
+    size_t count = 0;
+    if (ffi::Error error = CollectArrays(args, views, &count); error.failure()) return error;
+    DeviceQueue* queue = NativeQueueFor(device_ordinal);
+    const int64_t pushed =
+        Enqueue(queue, device_ordinal, consumer_id, ArrayViews(views, count), 0, 0, &pool);
+    if (pushed < 0) return ffi::Error::Internal(WhyNotEnqueued(queue, pushed, 0));
     return ffi::Error::Success();
   });
 }
@@ -985,13 +1021,14 @@ ffi::Error CallImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_d
     } else if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) {
       problem = "hostcallback: " + bad;
     } else {
-      std::vector<ArrayView> arrays;
+      std::vector<ArrayView> arrays(args.size());
       try {
-        if (ffi::Error error = CollectArrays(args, &arrays); error.failure()) {
+        size_t count = 0;
+        if (ffi::Error error = CollectArrays(args, arrays.data(), &count); error.failure()) {
           problem = "hostcallback: " + error.message();
         } else {
-          problem = CallHost(NativeQueueFor(device_ordinal), device_ordinal, consumer_id, arrays,
-                             timeout_s, &response);
+          problem = CallHost(NativeQueueFor(device_ordinal), device_ordinal, consumer_id,
+                             ArrayViews(arrays.data(), count), timeout_s, &response);
           if (problem.empty()) problem = response.error;
         }
       } catch (const std::bad_alloc&) {
@@ -1362,12 +1399,13 @@ void EnqueueFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves,
                      const std::string& platform) {
   DeviceQueue* queue = CheckedQueue(platform, device);
   std::vector<ArrayView> arrays = ViewsOf(leaves);
-  std::string problem;
+  int64_t pushed;
   {
     nb::gil_scoped_release release;
-    problem = Enqueue(queue, device, consumer_id, arrays);
+    FlushOwnReleases();
+    pushed = Enqueue(queue, device, consumer_id, arrays);
   }
-  if (!problem.empty()) throw std::runtime_error(problem);
+  if (pushed < 0) throw std::runtime_error(WhyNotEnqueued(queue, pushed, 0));
 }
 
 // The callback transport's `call`: the same record and wait, from the device's Python callback.
@@ -1380,6 +1418,7 @@ nb::list CallFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves
   std::string problem;
   {
     nb::gil_scoped_release release;
+    FlushOwnReleases();
     problem = CallHost(queue, device, consumer_id, arrays, timeout_s, &response);
   }
   if (problem.empty()) problem = response.error;
@@ -1509,7 +1548,7 @@ NB_MODULE(_hostcallback_outfeed, m) {
   m.def("pooled_bytes", []() { return g_pool.PooledBytes(); },
         "Bytes of free record buffers kept for reuse.");
   m.def("pool_stats", []() {
-          if (t_drains) t_released.Flush();  // this thread's released records count as pooled
+          FlushOwnReleases();  // this thread's released records count as pooled
           return g_pool.Stats();
         },
         "The buffer pool: pooled_bytes (free), in_use_bytes, hits and misses, records_held. "

@@ -84,6 +84,17 @@ def test_payloads_are_aligned_read_only_views(transport, collector):
     assert not got.flags.writeable
 
 
+def test_a_tap_of_many_leaves_arrives_whole(transport, collector):
+    # More arrays than the native handler keeps on its stack (16): the rest go to the heap.
+    leaves = [jnp.full((i % 3 + 1,), i, jnp.int32) for i in range(40)]
+    jax.jit(lambda v: hcb.id_tap(collector, v))(leaves)
+    hcb.barrier_wait()
+    (arg, _, _), = collector.calls
+    assert len(arg) == 40
+    for i, leaf in enumerate(arg):
+        np.testing.assert_array_equal(leaf, np.full((i % 3 + 1,), i, np.int32))
+
+
 def test_hundred_independent_taps_arrive_in_program_order(transport, collector):
     def f(x):
         for i in range(100):

@@ -34,10 +34,6 @@
 #include <utility>
 #include <vector>
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
 #define PY_ARRAY_UNIQUE_SYMBOL hostcallback_ARRAY_API  // frames.cc uses the same table
 #define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
 #include <Python.h>
@@ -81,6 +77,7 @@ struct ArrayView {
 struct ArrayViews {
   ArrayViews(const ArrayView* views, size_t n) : first(views), count(n) {}
   ArrayViews(const std::vector<ArrayView>& views) : first(views.data()), count(views.size()) {}
+  ArrayViews(std::vector<ArrayView>&&) = delete;  // a view of a temporary would dangle
   const ArrayView* begin() const { return first; }
   const ArrayView* end() const { return first + count; }
   size_t size() const { return count; }
@@ -243,9 +240,9 @@ BufferPool& g_pool = *new BufferPool();
 // The small records a receiver thread released while it handled a batch, returned to the pool
 // together: one pool lock per batch, not one per record, so the pool's lock and free lists stay
 // in the device thread's cache instead of crossing between cores with every tap. They go back
-// when the thread's next drain begins, when kSize are gathered, before the thread builds a
-// record itself, when it asks for pool_stats(), and when it exits; until then they count as in
-// use. Only threads that drain gather; other threads, and large records, return them at once.
+// when the thread's next drain begins, when kSize are gathered, before the thread enqueues a
+// record from the host, when it asks for pool_stats(), and when it exits; until then they count
+// as in use. Only threads that drain gather; other threads, and large records, return them at once.
 class ReleasedRecords {
  public:
   static constexpr size_t kSize = 64;
@@ -345,16 +342,11 @@ void CopyArray(uint8_t* dst, const uint8_t* src, size_t bytes, ffi::ThreadPool* 
 constexpr uint16_t kFlagExpectsResponse = 1;  // a `call`: the device waits for the host's answer
 constexpr uint64_t kBarrierMarkerId = 0;       // registry.BARRIER_MARKER_ID
 
-// Zeroes n bytes (a multiple of kAlignment, at an aligned address) with 16-byte stores. GCC
-// compiles a memset, even of a fixed 64 bytes, to a `rep stos` whose start-up cost a small tap
-// a quarter of its enqueue.
+// Zeroes n bytes (a multiple of kAlignment) a line at a time: at -O3 a fixed-size memset
+// compiles to a few vector stores, where a variable one (or any, at -Os: see CMakeLists.txt) is
+// a `rep stos` whose start-up cost a small tap a quarter of its enqueue.
 void ZeroLines(uint8_t* at, size_t n) {
-#if defined(__SSE2__)
-  const __m128i zero = _mm_setzero_si128();
-  for (size_t i = 0; i < n; i += 16) _mm_store_si128(reinterpret_cast<__m128i*>(at + i), zero);
-#else
-  std::memset(at, 0, n);
-#endif
+  for (size_t i = 0; i < n; i += kAlignment) std::memset(at + i, 0, kAlignment);
 }
 
 // Builds the record; every byte that is not a field or an array element is zero (padding
@@ -856,13 +848,22 @@ DeviceQueue* LookUpQueue(const std::string& platform, int device) {
   return q;
 }
 
-// The native handlers' lookup: queues live forever, so the first devices' are kept in a table
-// read without a lock (or a thread-local, which costs a call into the dynamic linker a tap).
+// The native handlers' lookup without a lock: queues live forever, so the first devices' are
+// kept in a table (a thread-local costs a call into the dynamic linker a tap); a device beyond
+// it (ids of later processes start at 1024 * process index) is cached per device thread.
 constexpr int kTabledDevices = 1024;
 std::atomic<DeviceQueue*> g_native_queues[kTabledDevices];
 
 DeviceQueue* NativeQueueFor(int device) {
-  if (device >= kTabledDevices) return LookUpQueue(kNativePlatform, device);
+  if (device < 0 || device >= kTabledDevices) {
+    thread_local int cached_device = -1;
+    thread_local DeviceQueue* cached_queue = nullptr;
+    if (device != cached_device) {
+      cached_queue = LookUpQueue(kNativePlatform, device);
+      cached_device = device;
+    }
+    return cached_queue;
+  }
   DeviceQueue* q = g_native_queues[device].load(std::memory_order_acquire);
   if (q == nullptr) {
     q = LookUpQueue(kNativePlatform, device);
@@ -1021,8 +1022,8 @@ ffi::Error CallImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_d
     } else if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) {
       problem = "hostcallback: " + bad;
     } else {
-      std::vector<ArrayView> arrays(args.size());
       try {
+        std::vector<ArrayView> arrays(args.size());  // in the try: a shared call must not throw
         size_t count = 0;
         if (ffi::Error error = CollectArrays(args, arrays.data(), &count); error.failure()) {
           problem = "hostcallback: " + error.message();

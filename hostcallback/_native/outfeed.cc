@@ -242,7 +242,8 @@ BufferPool& g_pool = *new BufferPool();
 // in the device thread's cache instead of crossing between cores with every tap. They go back
 // when the thread's next drain begins, when kSize are gathered, before the thread enqueues a
 // record from the host, when it asks for pool_stats(), and when it exits; until then they count
-// as in use. Only threads that drain gather; other threads, and large records, return them at once.
+// as in use. Only threads that drain gather; other threads, and large records, return them at
+// once.
 class ReleasedRecords {
  public:
   static constexpr size_t kSize = 64;
@@ -850,7 +851,7 @@ DeviceQueue* LookUpQueue(const std::string& platform, int device) {
 
 // The native handlers' lookup without a lock: queues live forever, so the first devices' are
 // kept in a table (a thread-local costs a call into the dynamic linker a tap); a device beyond
-// it (ids of later processes start at 1024 * process index) is cached per device thread.
+// it (a later process's global ids: 2048 and up on XLA's CPU client) is cached per thread.
 constexpr int kTabledDevices = 1024;
 std::atomic<DeviceQueue*> g_native_queues[kTabledDevices];
 

@@ -593,6 +593,10 @@ class DeviceQueue {
  public:
   static constexpr int64_t kClosed = -1, kTimedOut = -2;
 
+  explicit DeviceQueue(int device_id) : device(device_id) {}
+
+  const int device;  // the id it is keyed by (with its platform)
+
   // Returns the record's sequence number, kClosed when the queue was closed (receiver stopped)
   // or kTimedOut when there was no room within timeout_s (a `call`'s timeout; taps wait
   // forever). A `call` record registers for its answer before any receiver can see it.
@@ -843,32 +847,26 @@ DeviceQueue* LookUpQueue(const std::string& platform, int device) {
   std::lock_guard<std::mutex> lock(g_queues.mu);
   DeviceQueue*& q = g_queues.queues[{platform, device}];
   if (q == nullptr) {
-    q = new DeviceQueue();
+    q = new DeviceQueue(device);
     if (g_queues.closed) q->SetClosed(true);
   }
   return q;
 }
 
-// The native handlers' lookup without a lock: queues live forever, so the first devices' are
-// kept in a table (a thread-local costs a call into the dynamic linker a tap); a device beyond
-// it (a later process's global ids: 2048 and up on XLA's CPU client) is cached per thread.
-constexpr int kTabledDevices = 1024;
-std::atomic<DeviceQueue*> g_native_queues[kTabledDevices];
+// The native handlers' lookup without a lock: queues live forever, so each is kept in a slot
+// picked by its device id (a thread-local costs a call into the dynamic linker a tap). One
+// process's ids (0 and up on the first, 2048 and up on the second on XLA's CPU client) fall in
+// different slots; two that shared one would only take LookUpQueue's lock more often.
+constexpr unsigned kNativeQueueSlots = 1024;
+std::atomic<DeviceQueue*> g_native_queues[kNativeQueueSlots];
 
 DeviceQueue* NativeQueueFor(int device) {
-  if (device < 0 || device >= kTabledDevices) {
-    thread_local int cached_device = -1;
-    thread_local DeviceQueue* cached_queue = nullptr;
-    if (device != cached_device) {
-      cached_queue = LookUpQueue(kNativePlatform, device);
-      cached_device = device;
-    }
-    return cached_queue;
-  }
-  DeviceQueue* q = g_native_queues[device].load(std::memory_order_acquire);
-  if (q == nullptr) {
+  std::atomic<DeviceQueue*>& slot =
+      g_native_queues[static_cast<unsigned>(device) % kNativeQueueSlots];
+  DeviceQueue* q = slot.load(std::memory_order_acquire);
+  if (q == nullptr || q->device != device) {
     q = LookUpQueue(kNativePlatform, device);
-    g_native_queues[device].store(q, std::memory_order_release);
+    slot.store(q, std::memory_order_release);
   }
   return q;
 }

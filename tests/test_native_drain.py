@@ -368,12 +368,16 @@ def wakeups(device) -> int:
     return outfeed.stats(device, platform=PLATFORM)["receiver_wakeups"]
 
 
-def woken_with(device, *values) -> None:
-    """Enqueues values that a drain already waiting on the empty queue is woken for (a wake-up
-    call proves it was waiting, so that its coalescing window opens for them)."""
+def woken_by(device, send) -> None:
+    """Runs send(), which enqueues what a drain already waiting on the empty queue is woken for
+    (a wake-up call proves it was waiting, so that what it does next follows from its window)."""
     before = wakeups(device)
-    enqueue_values(device, *values)
+    send()
     assert wakeups(device) == before + 1
+
+
+def woken_with(device, *values) -> None:
+    woken_by(device, lambda: enqueue_values(device, *values))
 
 
 def queue_after_a_window_that_gathered_nothing() -> int:
@@ -429,7 +433,8 @@ def test_a_burst_brings_the_coalescing_window_back():
 def test_a_lone_barrier_marker_does_not_turn_the_coalescing_window_off():
     device = fresh_queue()
     waiting, got = drain_in_background(device, coalesce_s=0.5)
-    outfeed.enqueue(device, BARRIER_MARKER_ID, [leaf(np.uint64(7))], platform=PLATFORM)
+    woken_by(device, lambda: outfeed.enqueue(device, BARRIER_MARKER_ID, [leaf(np.uint64(7))],
+                                             platform=PLATFORM))
     assert batch_taken(waiting, got) == ([], [7])  # handed out at once, no window
     assert gathers_the_next_two(device)
 

@@ -10,6 +10,11 @@ jax.debug.callback and jax.experimental.io_callback, all delivering to a trivial
 interleaved rounds (best of --repeats), so that a loaded machine slows every variant alike.
 
   overhead us/tap  (time until the computation finished - the same loop without taps) / taps
+  CPU              the same for the CPU time of every thread but hostcallback's receivers (the
+                   device threads, and the callbacks' Python that runs on them): the tap's own
+                   work. The overhead is larger where the device threads wait for a core that
+                   other work (a receiver, other programs) holds, or for a lock, a full queue or
+                   the GIL (Linux only)
   records/s, MB/s  taps and bytes handled by the consumer per second, until the last was handled
   us/step          (pmap) time per loop step until every device's tap was handled
   vs debug         jax.debug.callback's overhead divided by this one's (higher is better)
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 
 
@@ -62,6 +68,25 @@ class Counter:
         self.bytes += np.asarray(arg).nbytes
 
 
+def device_cpu_seconds() -> float | None:
+    """CPU time so far of every thread of this process but hostcallback's receivers (Linux's
+    per-thread CPU clocks: exact for a running thread too); None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    receivers = {t.native_id for t in threading.enumerate()
+                 if t.name.startswith("hostcallback-receiver")}
+    total = 0.0
+    for entry in os.listdir("/proc/self/task"):
+        thread_id = int(entry)
+        if thread_id in receivers:
+            continue
+        try:  # the CPU-time clock of thread thread_id (see clock_getcpuclockid(3))
+            total += time.clock_gettime(((~thread_id) << 3) | 6)
+        except OSError:
+            pass  # that thread has just ended
+    return total
+
+
 def tapper(kind: str, counter: Counter):
     if kind == "none":
         return lambda c: c
@@ -88,6 +113,7 @@ class Variant:
         self.kind, self.expected = kind, 0 if kind == "none" else steps * max(devices, 1)
         self.counter = Counter()
         self.best_compute = self.best_delivered = float("inf")
+        self.best_cpu: float | None = None
         with self._transport():
             tap = tapper(kind, self.counter)
             body = (lambda x: lax.fori_loop(0, steps, lambda i, c: tap(c + 1), x))
@@ -103,19 +129,25 @@ class Variant:
     def run(self) -> None:
         with self._transport():
             self.counter.taps = self.counter.bytes = 0
+            cpu_before = device_cpu_seconds()
             start = time.perf_counter()
             self.loop(self.x).block_until_ready()
             computed = time.perf_counter() - start
+            cpu_after = device_cpu_seconds()
             wait_for_delivery(self.kind)
             delivered = time.perf_counter() - start
         if self.counter.taps != self.expected:
             raise AssertionError(f"{self.kind}: {self.counter.taps} taps delivered, expected "
                                  f"{self.expected}")
+        if cpu_before is not None:
+            cpu = cpu_after - cpu_before
+            self.best_cpu = cpu if self.best_cpu is None else min(self.best_cpu, cpu)
         self.best_compute = min(self.best_compute, computed)
         self.best_delivered = min(self.best_delivered, delivered)
 
     def result(self) -> dict:
         return {"compute_s": self.best_compute, "delivered_s": self.best_delivered,
+                "device_cpu_s": self.best_cpu,
                 "taps": self.counter.taps, "bytes": self.counter.bytes}
 
 
@@ -146,29 +178,39 @@ def memcpy_seconds(steps: int, nbytes: int, repeats: int) -> float:
     return best
 
 
+def _us(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e6:.3f}"
+
+
 def run_workload(name: str, steps: int, shape: tuple[int, ...], repeats: int,
                  devices: int = 0, kinds=KINDS) -> dict:
     results = measure_all(kinds, steps, shape, repeats, devices)
     base = results["none"]["compute_s"]
     taps = steps * max(devices, 1)
     overheads = {k: max(r["compute_s"] - base, 1e-12) / taps for k, r in results.items()}
+    base_cpu = results["none"]["device_cpu_s"]
+    cpu = {k: None if base_cpu is None else (r["device_cpu_s"] - base_cpu) / taps
+           for k, r in results.items()}
     tap_bytes = int(np.prod(shape)) * 4
     where = f"pmap over {devices} devices" if devices else "jit, one device"
     print(f"\n{name}: {steps:,} steps tapping {tap_bytes:,} bytes each, {where} "
           f"(loop without taps: {base * 1e3:.1f} ms)")
-    print(f"{'transport':<16}{'overhead us/tap':>17}{'records/s':>12}{'MB/s':>10}"
-          f"{'us/step':>10}{'vs debug':>10}")
+    print(f"{'transport':<16}{'overhead us/tap':>17}{'CPU':>9}"
+          f"{'records/s':>12}{'MB/s':>10}{'us/step':>10}{'vs debug':>10}")
     for kind in kinds[1:]:
         r = results[kind]
         ratio = overheads["debug.callback"] / overheads[kind]
-        print(f"{kind:<16}{overheads[kind] * 1e6:>17.3f}{r['taps'] / r['delivered_s']:>12,.0f}"
+        print(f"{kind:<16}{overheads[kind] * 1e6:>17.3f}{_us(cpu[kind]):>9}"
+              f"{r['taps'] / r['delivered_s']:>12,.0f}"
               f"{r['bytes'] / r['delivered_s'] / 1e6:>10,.1f}"
               f"{r['delivered_s'] / steps * 1e6:>10.2f}{ratio:>9.1f}x")
-    out = {"overhead_us": {k: v * 1e6 for k, v in overheads.items()}, "results": results}
+    out = {"overhead_us": {k: v * 1e6 for k, v in overheads.items()},
+           "cpu_us": {k: None if v is None else v * 1e6 for k, v in cpu.items()},
+           "results": results}
     if tap_bytes >= 1 << 20:
         copy = memcpy_seconds(steps, tap_bytes, repeats) / steps
         native = overheads["native"]
-        print(f"{'memcpy (numpy)':<16}{copy * 1e6:>17.3f}{1 / copy:>12,.0f}"
+        print(f"{'memcpy (numpy)':<16}{copy * 1e6:>17.3f}{'':>9}{1 / copy:>12,.0f}"
               f"{tap_bytes / copy / 1e6:>10,.1f}")
         print(f"native tap speed / memcpy speed: {copy / native:.0%} (memcpy time / tap overhead)")
         out["memcpy_us"] = copy * 1e6

@@ -41,7 +41,7 @@ class FrameTemplate:
 
     __slots__ = ("leaf_dtypes", "leaf_shapes", "pieces", "step_kind", "step_leaf", "step_size")
 
-    def __init__(self, pieces: list[bytes], leaves: list[np.ndarray], step_leaf: int,
+    def __init__(self, pieces: list[bytes], leaves: tuple[np.ndarray, ...], step_leaf: int,
                  step_kind: str, step_size: int) -> None:
         self.pieces = pieces
         self.leaf_dtypes = [leaf.dtype for leaf in leaves]

@@ -63,6 +63,6 @@ def run_end(records: list, start: int) -> int:
     """Where the run of records of records[start]'s consumer that decoded (arrays, not the
     reason they could not be decoded) ends."""
     consumer_id, end, count = records[start][0], start + 1, len(records)
-    while end < count and records[end][0] == consumer_id and records[end][4].__class__ is list:
+    while end < count and records[end][0] == consumer_id and records[end][4].__class__ is tuple:
         end += 1
     return end

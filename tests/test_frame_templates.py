@@ -32,10 +32,16 @@ def _batch(values, sequences=None, transforms=()):
     consumer = Consumer(func=lambda arg, transforms: None, treedef=treedef,
                         transforms=tuple(transforms))
     sequences = sequences or list(range(len(values)))
-    records = [(1, 0, sequence, 0, [np.ascontiguousarray(leaf) for leaf in
-                                    tree_util.tree_leaves(value)])
+    records = [(1, 0, sequence, 0, tuple(np.ascontiguousarray(leaf) for leaf in
+                                         tree_util.tree_leaves(value)))
                for value, sequence in zip(values, sequences)]
     return RecordBatch(records, 0, len(records), consumer, device=None)
+
+
+def _with_leaf(batch, index: int, leaf_index: int, leaf) -> None:
+    """Replaces one leaf of one record of the batch (a record and its arrays are tuples)."""
+    *fields, leaves = batch.records[index]
+    batch.records[index] = (*fields, leaves[:leaf_index] + (leaf,) + leaves[leaf_index + 1:])
 
 
 def _general_frames(batch, now):
@@ -149,16 +155,17 @@ def test_the_time_is_the_wall_clock_when_a_record_is_framed():
 def test_a_record_that_does_not_fit_its_template_is_refused():
     batch = _batch([{"x": np.ones(3, np.float32)}, {"x": np.ones(3, np.float32)}])
     template = make_template(batch, _FIELDS)
-    batch.records[1][4][0] = np.ones(4, np.float32)
+    _with_leaf(batch, 1, 0, np.ones(4, np.float32))
     with pytest.raises(ValueError, match="template's shape"):
         template.frames(batch)
-    batch.records[1][4][0] = np.ones(6, np.float32)[::2]
+    _with_leaf(batch, 1, 0, np.ones(6, np.float32)[::2])
     with pytest.raises(ValueError, match="contiguous"):
         template.frames(batch)
-    batch.records[1][4][0] = [1.0, 2.0, 3.0]
+    _with_leaf(batch, 1, 0, [1.0, 2.0, 3.0])
     with pytest.raises(ValueError, match="not a numpy array"):
         template.frames(batch)
-    batch.records[1][4].append(np.ones(3, np.float32))
+    *fields, leaves = batch.records[1]
+    batch.records[1] = (*fields, leaves + (np.ones(3, np.float32),))
     with pytest.raises(ValueError, match="template's arrays"):
         template.frames(batch)
 
@@ -170,13 +177,13 @@ def test_a_record_that_does_not_fit_its_template_is_refused():
 def test_a_record_of_the_same_size_but_another_dtype_or_shape_is_refused(other):
     batch = _batch([{"x": np.ones((2, 3), np.float32)}, {"x": np.ones((2, 3), np.float32)}])
     template = make_template(batch, _FIELDS)
-    batch.records[1][4][0] = other
+    _with_leaf(batch, 1, 0, other)
     with pytest.raises(ValueError, match="template's (dtype|shape)"):
         template.frames(batch)
 
 
 def test_bad_arguments_to_frame_records_are_value_errors():
-    records = [(1, 0, 0, 0, [np.ones(1, np.float32)])]
+    records = [(1, 0, 0, 0, (np.ones(1, np.float32),))]
     spec = ([np.dtype(np.float32)], [(1,)])
     with pytest.raises(ValueError, match="piece"):
         outfeed.frame_records(records, 0, 1, [b""], *spec, -1, "i", 8)
@@ -201,7 +208,7 @@ def test_a_run_whose_later_records_do_not_fit_its_template_is_framed_in_python(t
     tap = SinkTap([sink], "t")
     batch = _batch([{"step": np.int32(i), "x": np.ones(2, np.float32) * i} for i in range(2)])
     tap.tap_batch(batch)
-    batch.records[1][4][1] = np.arange(2, dtype=np.int32)  # same size, another dtype
+    _with_leaf(batch, 1, 1, np.arange(2, dtype=np.int32))  # same size, another dtype
     tap.tap_batch(batch)
     sink.close()
     values = [r.value["x"] for r in read_records(tmp_path / "s.hcbs")]

@@ -226,16 +226,16 @@ nb::list FrameRecords(nb::list records, size_t start, size_t stop,
   for (size_t r = start; r < stop; ++r) {
     PyObject* record = PyList_GET_ITEM(records.ptr(), r);
     if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != 5 ||
-        !PyList_Check(PyTuple_GET_ITEM(record, 4)) ||
-        static_cast<size_t>(PyList_GET_SIZE(PyTuple_GET_ITEM(record, 4))) != leaves) {
+        !PyTuple_Check(PyTuple_GET_ITEM(record, 4)) ||
+        static_cast<size_t>(PyTuple_GET_SIZE(PyTuple_GET_ITEM(record, 4))) != leaves) {
       throw nb::value_error("a record does not have its template's arrays");
     }
     const unsigned long long sequence = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(record, 2));
     if (PyErr_Occurred()) throw nb::python_error();
-    // Each array held while we copy from it, the GIL released or not (its list is mutable).
+    // Each array held while we copy from it, the GIL released or not (records is mutable).
     PyObject* arrays = PyTuple_GET_ITEM(record, 4);
     for (size_t i = 0; i < leaves; ++i) {
-      held[i] = nb::borrow(PyList_GET_ITEM(arrays, i));
+      held[i] = nb::borrow(PyTuple_GET_ITEM(arrays, i));
       data[i] = LeafData(held[i].ptr(), specs[i]);
     }
     // Sized for the longest numbers, then cut to what was written.

@@ -9,10 +9,12 @@ ways in interleaved rounds (best of --repeats):
               machine to itself; the taps are delivered afterwards (they wait in the queue)
 
 Per tap, over the loop without taps: the wall time (what tap_overhead.py calls overhead) and the
-CPU time of the threads that run the loop. Where "delivering" costs more wall time than "held"
-for the same CPU, the device waited for a core: on a machine with fewer free cores than busy
-threads the receiver and the device share one. The script first reports how busy other programs
-kept this machine's cores while it slept (Linux's /proc/stat), which tells whether that is so.
+CPU time of the threads that run the loop; and per run, how often those threads left their core
+because they had to wait (voluntary: a lock, a full queue) or because the scheduler gave the core
+to another thread (involuntary). Where "delivering" costs more wall time than "held" for the
+same CPU time and few voluntary switches, the device waited for a core, not for us: on a machine
+with fewer free cores than busy threads the receiver and the device share one. The script first
+reports how busy other programs kept this machine's cores while it slept (Linux's /proc/stat).
 
 Usage: python bench/device_side.py [--steps N] [--repeats R]
 """
@@ -27,9 +29,11 @@ import time
 import jax
 import jax.numpy as jnp
 from jax import lax
-from tap_overhead import device_cpu_seconds
+from receiver_cpu import device_cpu_seconds
 
 import hostcallback as hcb
+
+RECORD_BYTES = 128  # a 4-byte tap's record, rounded up: what one held tap takes of the budget
 
 
 def busy_cores_while_sleeping(seconds: float = 1.0) -> float | None:
@@ -53,8 +57,33 @@ def busy_cores_while_sleeping(seconds: float = 1.0) -> float | None:
     return (total - idle) / total * (os.cpu_count() or 1) if total else None
 
 
+def context_switches() -> tuple[int, int] | None:
+    """(voluntary, involuntary) context switches so far of every thread of this process but the
+    receivers; None off Linux."""
+    try:
+        entries = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    receivers = {str(t.native_id) for t in threading.enumerate()
+                 if t.name.startswith("hostcallback-receiver")}
+    voluntary = involuntary = 0
+    for entry in entries:
+        if entry in receivers:
+            continue
+        try:
+            with open(f"/proc/self/task/{entry}/status") as status:
+                for line in status:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        voluntary += int(line.split()[1])
+                    elif line.startswith("nonvoluntary_ctxt_switches:"):
+                        involuntary += int(line.split()[1])
+        except OSError:
+            pass  # that thread has just ended
+    return voluntary, involuntary
+
+
 class HoldableCounter:
-    """Counts taps; while ``held`` is clear it waits in the receiver before counting."""
+    """Counts taps; while ``released`` is clear it waits in the receiver before counting."""
 
     def __init__(self) -> None:
         self.taps = 0
@@ -71,6 +100,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
+    budget = hcb.config.settings.max_queue_bytes
+    if args.steps * RECORD_BYTES > budget:
+        # Held taps wait in the queue; a full queue would make the loop wait for a receiver
+        # that waits for the loop.
+        parser.error(f"--steps {args.steps:,} held taps need about {args.steps * RECORD_BYTES:,} "
+                     f"bytes of queue; HOSTCALLBACK_MAX_QUEUE_BYTES is {budget:,}")
     busy = busy_cores_while_sleeping()
     print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}, {os.cpu_count()} CPU core(s); "
           + ("other programs' load: unknown" if busy is None else
@@ -87,38 +122,44 @@ def main(argv=None) -> dict:
         loop(x).block_until_ready()
     hcb.barrier_wait()
 
-    best = {name: [float("inf"), float("inf")] for name in ("no tap", "delivering", "held")}
+    # Per mode: best wall time, best CPU time, and the switches of the round with the best wall.
+    best = {name: [float("inf"), float("inf"), None] for name in ("no tap", "delivering", "held")}
     for _ in range(args.repeats):
         for name, times in best.items():
             loop = loops["no tap" if name == "no tap" else "tapped"]
-            if name == "held":
-                counter.released.clear()
             counter.taps = 0
-            cpu_before = device_cpu_seconds()
-            start = time.perf_counter()
-            loop(x).block_until_ready()
-            wall = time.perf_counter() - start
-            cpu_after = device_cpu_seconds()
-            counter.released.set()
+            try:
+                if name == "held":
+                    counter.released.clear()
+                switches_before, cpu_before = context_switches(), device_cpu_seconds()
+                start = time.perf_counter()
+                loop(x).block_until_ready()
+                wall = time.perf_counter() - start
+                switches_after, cpu_after = context_switches(), device_cpu_seconds()
+            finally:
+                counter.released.set()
             hcb.barrier_wait()
             expected = 0 if name == "no tap" else args.steps
             if counter.taps != expected:
                 raise AssertionError(f"{name}: {counter.taps} taps delivered, expected {expected}")
+            if wall < times[0] and switches_before is not None:
+                times[2] = tuple(b - a for a, b in zip(switches_before, switches_after))
             times[0] = min(times[0], wall)
             if cpu_before is not None:
                 times[1] = min(times[1], cpu_after - cpu_before)
 
-    base_wall, base_cpu = best["no tap"]
-    print(f"\n{args.steps:,} steps tapping 4 bytes each, jit, one device, best of {args.repeats} "
+    base_wall, base_cpu, _ = best["no tap"]
+    print(f"\n{args.steps:,} steps tapping 4 bytes each, jit, best of {args.repeats} "
           f"(loop without taps: {base_wall * 1e3:.1f} ms)")
-    print(f"{'receiver':<12}{'wall us/tap':>13}{'CPU us/tap':>12}")
+    print(f"{'receiver':<12}{'wall us/tap':>13}{'CPU us/tap':>12}{'switches (vol., invol.)':>25}")
     out = {"busy_cores": busy}
     for name in ("delivering", "held"):
-        wall, cpu = best[name]
+        wall, cpu, switches = best[name]
         wall_us = (wall - base_wall) / args.steps * 1e6
         cpu_us = None if cpu == float("inf") else (cpu - base_cpu) / args.steps * 1e6
-        print(f"{name:<12}{wall_us:>13.3f}{'n/a' if cpu_us is None else f'{cpu_us:.3f}':>12}")
-        out[name] = {"wall_us": wall_us, "cpu_us": cpu_us}
+        print(f"{name:<12}{wall_us:>13.3f}{'n/a' if cpu_us is None else f'{cpu_us:.3f}':>12}"
+              f"{'n/a' if switches is None else f'{switches[0]}, {switches[1]}':>25}")
+        out[name] = {"wall_us": wall_us, "cpu_us": cpu_us, "switches": switches}
     return out
 
 

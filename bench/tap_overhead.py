@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import threading
 import time
 
 
@@ -52,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import io_callback
+from receiver_cpu import device_cpu_seconds
 
 import hostcallback as hcb
 
@@ -66,25 +66,6 @@ class Counter:
     def __call__(self, arg, *rest) -> None:
         self.taps += 1
         self.bytes += np.asarray(arg).nbytes
-
-
-def device_cpu_seconds() -> float | None:
-    """CPU time so far of every thread of this process but hostcallback's receivers (Linux's
-    per-thread CPU clocks: exact for a running thread too); None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    receivers = {t.native_id for t in threading.enumerate()
-                 if t.name.startswith("hostcallback-receiver")}
-    total = 0.0
-    for entry in os.listdir("/proc/self/task"):
-        thread_id = int(entry)
-        if thread_id in receivers:
-            continue
-        try:  # the CPU-time clock of thread thread_id (see clock_getcpuclockid(3))
-            total += time.clock_gettime(((~thread_id) << 3) | 6)
-        except OSError:
-            pass  # that thread has just ended
-    return total
 
 
 def tapper(kind: str, counter: Counter):

@@ -1262,6 +1262,11 @@ void UntrackFromGc(PyObject* tuple) {
 nb::tuple ArraysOf(const Record& r, PyObject* owner) {
   const uint32_t count = Get<uint32_t>(r.data + 20);
   const size_t header = Get<uint32_t>(r.data + 32);
+  // Before the tuple is made: PyTuple_New writes every slot of what a corrupt count asks for.
+  if (header < kFixedHeaderBytes || header > r.size ||
+      count > (header - kFixedHeaderBytes) / kDescriptorBytes) {
+    throw std::runtime_error("corrupt record header");
+  }
   nb::tuple arrays = nb::steal<nb::tuple>(PyTuple_New(count));
   if (!arrays.is_valid()) throw nb::python_error();
   size_t at = kFixedHeaderBytes, offset = header;

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from hostcallback.record_context import current
+from hostcallback.record_context import for_this_thread
 from hostcallback.registry import Consumer, Transform
 
 
@@ -50,7 +50,8 @@ class RecordBatch:
         """Each record's tapped value, as the tap function would get it as ``arg``; while a
         value is being handled, ``current_record()`` names its record (and afterwards what it
         named before). Iterate it on the receiver thread, inside ``tap_batch``."""
-        before = getattr(current, "record", None)
+        current = for_this_thread()
+        before = current.record
         try:
             for record in self.records[self.start:self.stop]:
                 current.record = record

@@ -36,8 +36,11 @@ from jax._src import core
 
 from hostcallback import batches, config, results, wire
 from hostcallback._native import outfeed
-from hostcallback.record_context import RecordContext, current_record  # noqa: F401 - old home
-from hostcallback.record_context import current as _current
+from hostcallback.record_context import (
+    RecordContext,  # noqa: F401 - its old home
+    current_record,  # noqa: F401 - its old home
+    for_this_thread,
+)
 from hostcallback.registry import BARRIER_MARKER_ID, ConsumerRegistry, registry
 
 logger = logging.getLogger("hostcallback")
@@ -269,7 +272,7 @@ class ReceiverPool:
             self._local.is_receiver = True
             platform, ordinal = key
             device = self._devices[key]
-            _current.device = device
+            for_this_thread().device = device
             while True:
                 try:
                     batch, markers = outfeed.drain(ordinal, _DRAIN_RECORDS, _DRAIN_BYTES,
@@ -324,7 +327,7 @@ class ReceiverPool:
         count is kept per batch by the caller. A tap function with ``tap_batch`` gets each run
         of its records in one call (hostcallback.batches)."""
         consumers = self._consumers.by_id
-        current = _current
+        current = for_this_thread()
         index, count = 0, len(batch)
         while index < count:
             record = batch[index]  # (consumer_id, device, sequence, flags, arrays or why not)

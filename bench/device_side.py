@@ -91,7 +91,8 @@ class HoldableCounter:
         self.released.set()
 
     def __call__(self, arg, transforms) -> None:
-        self.released.wait()
+        if not self.released.is_set():  # an attribute read; wait() takes a lock each call
+            self.released.wait()
         self.taps += 1
 
 

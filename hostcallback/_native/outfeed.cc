@@ -1319,8 +1319,8 @@ nb::tuple ArraysOf(const Record& r, PyObject* owner) {
 // the barrier markers of this batch (they never reach Python as records). arrays is a tuple of
 // read-only views of the record, owned by one capsule per record; or, for a record that cannot
 // be decoded, a str saying why, so that only its own consumer fails. Both tuples are left out
-// of the cycle collector (UntrackFromGc). The markers are taken out
-// before anything can fail, and every record is owned or released (ReleaseRecord) on every path.
+// of the cycle collector (UntrackFromGc). The markers are taken out before anything can fail,
+// and every record is owned or released (ReleaseRecord) on every path.
 // A drain's waiting windows (coalesce_s, linger_s) are bounded: 0 to 1 second.
 void CheckWindow(const char* name, double seconds) {
   if (std::isnan(seconds) || seconds < 0 || seconds > 1) {

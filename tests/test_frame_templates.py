@@ -38,10 +38,14 @@ def _batch(values, sequences=None, transforms=()):
     return RecordBatch(records, 0, len(records), consumer, device=None)
 
 
+def _with_leaves(batch, index: int, leaves: tuple) -> None:
+    """Gives one record of the batch other arrays (a record and its arrays are tuples)."""
+    batch.records[index] = (*batch.records[index][:4], leaves)
+
+
 def _with_leaf(batch, index: int, leaf_index: int, leaf) -> None:
-    """Replaces one leaf of one record of the batch (a record and its arrays are tuples)."""
-    *fields, leaves = batch.records[index]
-    batch.records[index] = (*fields, leaves[:leaf_index] + (leaf,) + leaves[leaf_index + 1:])
+    leaves = batch.records[index][4]
+    _with_leaves(batch, index, leaves[:leaf_index] + (leaf,) + leaves[leaf_index + 1:])
 
 
 def _general_frames(batch, now):
@@ -164,8 +168,7 @@ def test_a_record_that_does_not_fit_its_template_is_refused():
     _with_leaf(batch, 1, 0, [1.0, 2.0, 3.0])
     with pytest.raises(ValueError, match="not a numpy array"):
         template.frames(batch)
-    *fields, leaves = batch.records[1]
-    batch.records[1] = (*fields, leaves + (np.ones(3, np.float32),))
+    _with_leaves(batch, 1, batch.records[1][4] + (np.ones(3, np.float32),))
     with pytest.raises(ValueError, match="template's arrays"):
         template.frames(batch)
 

@@ -38,6 +38,10 @@ def drain(device, max_records=100, max_bytes=1 << 30):
     return outfeed.drain(device, max_records, max_bytes, 5.0, platform=PLATFORM)
 
 
+# A host leaf that encodes but cannot be decoded: numpy cannot even make the array.
+TOO_MANY_DIMENSIONS = (wire.dtype_code(np.float32), [1] * (wire.MAX_NDIM + 1),
+                       np.zeros(4, np.uint8))
+
 ARRAY_SETS = [
     [np.float32(1.5)],
     [np.arange(7, dtype=np.int16).reshape(7, 1), np.zeros((0, 3), np.float64)],
@@ -77,9 +81,7 @@ def test_drained_records_are_left_out_of_the_cycle_collector():
     # set off collections of the whole heap (a fifth of its time).
     device = fresh_queue()
     outfeed.enqueue(device, 3, [leaf(np.int32(1)), leaf(np.ones(3))], platform=PLATFORM)
-    too_many_dimensions = (wire.dtype_code(np.float32), [1] * (wire.MAX_NDIM + 1),
-                           np.zeros(4, np.uint8))
-    outfeed.enqueue(device, 4, [too_many_dimensions], platform=PLATFORM)
+    outfeed.enqueue(device, 4, [TOO_MANY_DIMENSIONS], platform=PLATFORM)
     records, _ = drain(device)
     decoded, undecodable = records
     assert type(decoded[4]) is tuple and len(decoded[4]) == 2
@@ -158,9 +160,7 @@ def test_keeping_one_array_keeps_only_its_own_record_not_its_batch():
 def test_a_record_that_cannot_be_decoded_fails_alone_and_its_batch_and_markers_survive():
     device = fresh_queue()
     outfeed.enqueue(device, 3, [leaf(np.int32(1))], platform=PLATFORM)
-    too_many_dimensions = (wire.dtype_code(np.float32), [1] * (wire.MAX_NDIM + 1),
-                           np.zeros(4, np.uint8))  # numpy cannot even make it
-    outfeed.enqueue(device, 4, [too_many_dimensions], platform=PLATFORM)
+    outfeed.enqueue(device, 4, [TOO_MANY_DIMENSIONS], platform=PLATFORM)
     outfeed.enqueue(device, BARRIER_MARKER_ID, [leaf(np.uint64(42))], platform=PLATFORM)
     outfeed.enqueue(device, 3, [leaf(np.int32(2))], platform=PLATFORM)
     records, markers = drain(device)

@@ -29,7 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 from jax import lax
-from receiver_cpu import device_cpu_seconds
+from receiver_cpu import device_cpu_seconds, device_thread_ids
 
 import hostcallback as hcb
 
@@ -58,20 +58,15 @@ def busy_cores_while_sleeping(seconds: float = 1.0) -> float | None:
 
 
 def context_switches() -> tuple[int, int] | None:
-    """(voluntary, involuntary) context switches so far of every thread of this process but the
-    receivers; None off Linux."""
-    try:
-        entries = os.listdir("/proc/self/task")
-    except OSError:
+    """(voluntary, involuntary) context switches so far of the threads of device_thread_ids();
+    None off Linux."""
+    thread_ids = device_thread_ids()
+    if thread_ids is None:
         return None
-    receivers = {str(t.native_id) for t in threading.enumerate()
-                 if t.name.startswith("hostcallback-receiver")}
     voluntary = involuntary = 0
-    for entry in entries:
-        if entry in receivers:
-            continue
+    for thread_id in thread_ids:
         try:
-            with open(f"/proc/self/task/{entry}/status") as status:
+            with open(f"/proc/self/task/{thread_id}/status") as status:
                 for line in status:
                     if line.startswith("voluntary_ctxt_switches:"):
                         voluntary += int(line.split()[1])

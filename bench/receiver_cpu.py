@@ -25,19 +25,25 @@ def receiver_cpu_seconds() -> float:
     return total
 
 
-def device_cpu_seconds() -> float | None:
-    """CPU time used so far by every thread of this process but the receivers: the device
-    threads, and the callbacks that run on them; None off Linux. A thread that ends between two
-    readings is left out of the second, so keep the threads alive across them (XLA's are)."""
+def device_thread_ids() -> list[int] | None:
+    """The native ids of every thread of this process but the receivers: the device threads,
+    and the callbacks that run on them; None off Linux."""
     if not sys.platform.startswith("linux"):
         return None
     receivers = {t.native_id for t in threading.enumerate()
                  if t.name.startswith("hostcallback-receiver")}
+    return [int(entry) for entry in os.listdir("/proc/self/task") if int(entry) not in receivers]
+
+
+def device_cpu_seconds() -> float | None:
+    """CPU time used so far by the threads of device_thread_ids(); None off Linux. A thread that
+    ends between two readings is left out of the second, so keep the threads alive across them
+    (XLA's are)."""
+    thread_ids = device_thread_ids()
+    if thread_ids is None:
+        return None
     total = 0.0
-    for entry in os.listdir("/proc/self/task"):
-        thread_id = int(entry)
-        if thread_id in receivers:
-            continue
+    for thread_id in thread_ids:
         try:  # Linux's CPU-time clock of any thread by id, as pthread_getcpuclockid makes it
             total += time.clock_gettime(((~thread_id) << 3) | 6)
         except OSError:

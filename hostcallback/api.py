@@ -16,8 +16,8 @@ from typing import Any, TextIO
 import jax
 import numpy as np
 from jax import tree_util
-from jax._src import core
 
+from hostcallback import _jax as jx
 from hostcallback import config, primitive, printing, reentry, transport, wire
 from hostcallback.flavors import CallbackFlavor, check_vmap_method, flavor_of
 from hostcallback.receiver import receivers
@@ -404,7 +404,7 @@ def call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any = Non
         _tap(consumer, leaves, device_index, ordered, flavor)
         return None
     outs = _tap(consumer, leaves, device_index, ordered, flavor,
-                result_avals=tuple(core.ShapedArray(shape, dtype) for shape, dtype in result_avals),
+                result_avals=tuple(jx.ShapedArray(shape, dtype) for shape, dtype in result_avals),
                 timeout_s=float(timeout or 0.0), vmap_method=vmap_method)
     return None if result_shape is None else tree_util.tree_unflatten(result_treedef, outs)
 

@@ -11,22 +11,19 @@ results, as JAX drops a pure callback. Nothing else about DCE changes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from jax import lax
-from jax._src import core
-from jax._src.interpreters import partial_eval as pe
-
+from hostcallback import _jax as jx
+from hostcallback._jax import patches
 from hostcallback.flavors import CallbackFlavor
 
 _PURE = CallbackFlavor.PURE.value  # a PURE tap may be removed with what holds it
 _tap_primitives: set = set()
-_wrapped: set = set()
 
 
 def register_tap_primitive(primitive) -> None:
     _tap_primitives.add(primitive)
-    _install()
+    patches.keep_whole_when_unused(
+        keep=lambda eqn: any(contains_tap(sub) for sub in jx.jaxprs_in_params(eqn.params)),
+        skip=lambda p: p in _tap_primitives)
 
 
 def contains_tap(jaxpr) -> bool:
@@ -35,27 +32,6 @@ def contains_tap(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive in _tap_primitives and eqn.params.get("flavor") != _PURE:
             return True
-        if any(contains_tap(sub) for sub in core.jaxprs_in_params(eqn.params)):
+        if any(contains_tap(sub) for sub in jx.jaxprs_in_params(eqn.params)):
             return True
     return False
-
-
-def _keeping_taps(rule: Callable) -> Callable:
-    def dce_rule(used_outputs, eqn):
-        if not any(used_outputs) and any(
-                contains_tap(sub) for sub in core.jaxprs_in_params(eqn.params)):
-            return [True] * len(eqn.invars), eqn
-        return rule(used_outputs, eqn)
-
-    dce_rule.__wrapped__ = rule
-    return dce_rule
-
-
-def _install() -> None:
-    # while_loop has no rule of its own: JAX's default drops it when its results are unused.
-    pe.dce_rules.setdefault(lax.while_p, pe._default_dce_rule)
-    for primitive, rule in list(pe.dce_rules.items()):
-        if primitive in _tap_primitives or primitive in _wrapped:
-            continue
-        pe.dce_rules[primitive] = _keeping_taps(rule)
-        _wrapped.add(primitive)

@@ -19,21 +19,18 @@ import dataclasses
 import weakref
 
 import jax
-from jax._src import core, dispatch, sharding_impls
-from jax._src.interpreters import ad, batching, mlir
-from jax._src.interpreters import partial_eval as pe
-from jax._src.lib.mlir import ir
-from jax.extend.core import Primitive
 
+from hostcallback import _jax as jx
 from hostcallback import keep_taps, sharded_lowering
+from hostcallback._jax import patches
+from hostcallback._jax import ad, batching, ir, mlir
 from hostcallback.flavors import VMAP_METHODS, CallbackFlavor
 from hostcallback.program_order import ordered_tap_effect, program_order_effect
 from hostcallback.registry import registry
 
-outside_call_p = Primitive("outside_call")
+outside_call_p = jx.Primitive("outside_call")
 outside_call_p.multiple_results = True
-# The lowering needs the device assignment to map partitions to devices.
-dispatch.prim_requires_devices_during_lowering.add(outside_call_p)
+patches.require_devices_during_lowering(outside_call_p)
 keep_taps.register_tap_primitive(outside_call_p)
 
 # emit_device: which local device ordinal enqueues (ALL_DEVICES: each that runs the tap).
@@ -66,7 +63,7 @@ def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
 
 
 def _impl(*args, **params):
-    return dispatch.apply_primitive(outside_call_p, *args, **params)
+    return jx.apply_primitive(outside_call_p, *args, **params)
 
 
 outside_call_p.def_impl(_impl)
@@ -77,7 +74,7 @@ def _abstract_eval(*avals, ordered, result_avals, flavor, **params):
     if ordered:
         return outs, {ordered_tap_effect}
     if flavor == PURE:  # JAX may drop it, so it takes no part in the order either
-        return outs, core.no_effects
+        return outs, jx.no_effects
     return outs, {program_order_effect}
 
 
@@ -91,7 +88,7 @@ def _dce_rule(used_outputs, eqn):
     return [True] * len(eqn.invars), eqn
 
 
-pe.dce_rules[outside_call_p] = _dce_rule
+patches.set_dce_rule(outside_call_p, _dce_rule)
 
 
 # ---- transformations ------------------------------------------------------------------------
@@ -119,7 +116,7 @@ def _batch_call(args, dims, *, consumer_id, result_avals, vmap_method, **params)
             "element; 'expand_dims' and 'broadcast_all' call it once with the whole batch "
             "(see \"Taps and calls under JAX transformations\" in the documentation)")
     (size,) = {arg.shape[d] for arg, d in zip(args, dims) if d is not None}
-    args = [arg if d is None else batching.moveaxis(arg, d, 0) for arg, d in zip(args, dims)]
+    args = [arg if d is None else jx.moveaxis(arg, d, 0) for arg, d in zip(args, dims)]
     if vmap_method in ("sequential", "sequential_unrolled"):
         is_batched = [d is not None for d in dims]
 
@@ -136,7 +133,7 @@ def _batch_call(args, dims, *, consumer_id, result_avals, vmap_method, **params)
     if vmap_method in ("expand_dims", "broadcast_all"):
         lead = size if vmap_method == "broadcast_all" else 1
         args = [jax.lax.broadcast(a, (lead,)) if d is None else a for a, d in zip(args, dims)]
-    batched_avals = tuple(core.ShapedArray((size, *a.shape), a.dtype) for a in result_avals)
+    batched_avals = tuple(jx.ShapedArray((size, *a.shape), a.dtype) for a in result_avals)
     batched = dataclasses.replace(
         consumer.with_transform(("batch", {"batch_dims": tuple(dims)})),
         result_avals=tuple(((size, *shape), dtype) for shape, dtype in consumer.result_avals))
@@ -184,11 +181,11 @@ def _remat_rule(saveable, unknowns_in, instantiated_in, eqn):
     ("remat_replay", {}) in its transforms ("mark"), or does nothing ("skip")."""
     n = len(eqn.outvars)
     residuals = [v for v, inst in zip(eqn.invars, instantiated_in)
-                 if type(v) is core.Var and not inst]
+                 if type(v) is jx.Var and not inst]
     if any(unknowns_in):
         return None, eqn, [True] * n, [True] * n, residuals
-    policy = pe.ensure_enum(saveable(eqn.primitive, *[v.aval for v in eqn.invars], **eqn.params))
-    if not isinstance(policy, pe.RecomputeType):  # saved (or offloaded): no replay
+    if not patches.is_recomputed(saveable(eqn.primitive, *[v.aval for v in eqn.invars],
+                                          **eqn.params)):  # saved (or offloaded): no replay
         return eqn, None, [False] * n, [False] * n, []
     params = dict(eqn.params)
     if params["replays"] == "skip":
@@ -199,7 +196,7 @@ def _remat_rule(saveable, unknowns_in, instantiated_in, eqn):
     return eqn, eqn.replace(params=params), [False] * n, [True] * n, residuals
 
 
-pe.partial_eval_jaxpr_custom_rules[outside_call_p] = _remat_rule
+patches.set_remat_rule(outside_call_p, _remat_rule)
 
 
 # ---- lowering ----------------------------------------------------------------------------------
@@ -230,19 +227,19 @@ def _lowering(ctx, *args, platform, **params):
     if params["replays"] == _SKIPPED:
         return list(args)
     is_call = result_avals is not None
-    if getattr(ctx.module_context.lowering_parameters, "for_export", False):
+    if jx.lowering_for_export(ctx):
         raise NotImplementedError(_EXPORT_MESSAGE.format(
             what="call" if is_call else "tap", name=registry.get(consumer_id).name or "?"))
     axis_context = ctx.module_context.axis_context
     op_sharding = None
-    if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+    if isinstance(axis_context, jx.SPMDAxisContext):
         if axis_context.manual_axes != frozenset(axis_context.mesh.axis_names):
             raise NotImplementedError(
                 "hostcallback taps inside shard_map need every mesh axis to be manual; with "
                 "partially automatic axes, tap outside the shard_map or make all axes manual")
         op_sharding = sharded_lowering.manual_sharding(
             [0] + [a.ndim for a in result_avals or ()])  # the token comes first
-    elif isinstance(axis_context, sharding_impls.ShardingContext):
+    elif isinstance(axis_context, jx.ShardingContext):
         sharded_lowering.check_device_index(params["device_index"], axis_context.num_devices)
         if axis_context.num_devices > 1:
             if params["partitioned"] and not is_call and args:
@@ -263,7 +260,7 @@ def _lowering(ctx, *args, platform, **params):
         token = ctx.tokens_in.get(effect)
     else:
         block = ir.InsertionPoint.current.block
-        token = _token_chain(ctx).get(block) or mlir.hlo.create_token()
+        token = _token_chain(ctx).get(block) or jx.hlo.create_token()
     if is_call:
         token, outs = emit.call(ctx, list(args), consumer_id=consumer_id,
                                 emit_device=emit_device, token=token,

@@ -11,33 +11,27 @@ on a 2-core CPU). So just before JAX lowers a computation, its jaxpr is wrapped 
 effect out of the computation's own effects. The executable then has no effects, and JAX keeps it
 on its C++ fast path.
 
-This is the one module that reaches into JAX's private lowering (``pxla._cached_lowering_to_hlo``);
-it fails at import, naming the JAX versions it supports, when that entry point is not there. It
-never changes a computation without a tap.
+The hook into JAX's lowering and the while-loop rule are installed through the JAX seam
+(``hostcallback._jax.patches``). It never changes a computation without a tap.
 """
 
 from __future__ import annotations
 
 import weakref
 
-import jax
 from jax import lax
-from jax._src import config as jax_config
-from jax._src import core, effects, source_info_util, util
-from jax._src.interpreters import mlir, pxla
-from jax._src.lib.mlir.dialects import hlo
-from jax.extend.core import Primitive
 
-SUPPORTED_JAX = ">=0.10.2,<0.11"
+from hostcallback import _jax as jx
+from hostcallback._jax import patches
 
 
-class ProgramOrderEffect(effects.Effect):
+class ProgramOrderEffect(jx.effects.Effect):
     """Taps that reach the host in program order within one computation, on each device."""
 
     __str__ = __repr__ = lambda self: "HostcallbackProgramOrder"
 
 
-class OrderedTapEffect(effects.Effect):
+class OrderedTapEffect(jx.effects.Effect):
     """ordered=True taps: program order within a computation and across computations too."""
 
     __str__ = __repr__ = lambda self: "HostcallbackOrderedTap"
@@ -46,52 +40,45 @@ class OrderedTapEffect(effects.Effect):
 program_order_effect = ProgramOrderEffect()
 ordered_tap_effect = OrderedTapEffect()
 TAP_EFFECTS = (ProgramOrderEffect, OrderedTapEffect)
-for _effect_set in (effects.lowerable_effects, effects.control_flow_allowed_effects,
-                    effects.ordered_effects, effects.shardable_ordered_effects,
-                    effects.custom_derivatives_allowed_effects, effects.remat_allowed_effects):
-    for _effect_type in TAP_EFFECTS:
-        _effect_set.add_type(_effect_type)
+for _effect_type in TAP_EFFECTS:
+    patches.register_ordered_effect(_effect_type)
 
 
 # ---- the scope: where a computation's program-order token is created --------------------------
 
-program_order_scope_p = Primitive("hostcallback_program_order_scope")
+program_order_scope_p = jx.Primitive("hostcallback_program_order_scope")
 program_order_scope_p.multiple_results = True
 
 
-def _scope_abstract_eval(*avals, jaxpr: core.ClosedJaxpr):
+def _scope_abstract_eval(*avals, jaxpr: jx.ClosedJaxpr):
     return jaxpr.out_avals, jaxpr.effects - {program_order_effect}
 
 
 program_order_scope_p.def_effectful_abstract_eval(_scope_abstract_eval)
 
 
-def _scope_lowering(ctx, *args, jaxpr: core.ClosedJaxpr):
+def _scope_lowering(ctx, *args, jaxpr: jx.ClosedJaxpr):
     tokens = dict(ctx.tokens_in.items())
-    tokens[program_order_effect] = hlo.create_token()
-    consts = mlir.ir_consts(jaxpr.consts, [v.aval for v in jaxpr.jaxpr.constvars])
-    outs, tokens_out = mlir.jaxpr_subcomp(
-        ctx.module_context, jaxpr.jaxpr, ctx.name_stack, mlir.TokenSet(tokens), consts, *args,
-        dim_var_values=ctx.dim_var_values, const_lowering=ctx.const_lowering,
-        outer_traceback=ctx.traceback)
-    ctx.set_tokens_out(mlir.TokenSet(
+    tokens[program_order_effect] = jx.hlo.create_token()
+    outs, tokens_out = jx.lower_jaxpr(ctx, jaxpr, jx.mlir.TokenSet(tokens), *args)
+    ctx.set_tokens_out(jx.mlir.TokenSet(
         {effect: token for effect, token in tokens_out.items()
          if effect is not program_order_effect}))
     return outs
 
 
-mlir.register_lowering(program_order_scope_p, _scope_lowering, cacheable=False)
+jx.mlir.register_lowering(program_order_scope_p, _scope_lowering, cacheable=False)
 
 
 _scoped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def scoped(closed_jaxpr: core.ClosedJaxpr) -> core.ClosedJaxpr:
+def scoped(closed_jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
     """The same computation, with its program-order token made inside it (or closed_jaxpr itself
     when it holds no tap). The same jaxpr gives the same result, so JAX's lowering cache hits."""
     if program_order_effect not in closed_jaxpr.effects:
         return closed_jaxpr
-    if jax_config.use_simplified_jaxpr_constants.value:
+    if jx.simplified_jaxpr_constants():
         # JAX then counts the computation's hoisted constants from the jaxpr it was given and
         # again from the one it lowers, and a scope merges repeated ones: leave the token to
         # JAX (order kept, at the price of JAX's slower dispatch for tapped computations).
@@ -102,74 +89,59 @@ def scoped(closed_jaxpr: core.ClosedJaxpr) -> core.ClosedJaxpr:
     return found
 
 
-def _wrap_in_scope(closed_jaxpr: core.ClosedJaxpr) -> core.ClosedJaxpr:
+def _wrap_in_scope(closed_jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
     # The scope holds a copy, so that the cache's value does not keep its key alive.
-    inner = core.ClosedJaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts)
+    inner = jx.ClosedJaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts)
     outer_effects = closed_jaxpr.effects - {program_order_effect}
-    invars = [core.Var(v.aval) for v in closed_jaxpr.jaxpr.invars]
-    outvars = [core.Var(aval) for aval in closed_jaxpr.out_avals]
-    eqn = core.new_jaxpr_eqn(invars, outvars, program_order_scope_p, {"jaxpr": inner},
-                             outer_effects, source_info_util.new_source_info())
-    jaxpr = core.Jaxpr([], invars, outvars, [eqn], outer_effects,
+    invars = [jx.Var(v.aval) for v in closed_jaxpr.jaxpr.invars]
+    outvars = [jx.Var(aval) for aval in closed_jaxpr.out_avals]
+    eqn = jx.new_jaxpr_eqn(invars, outvars, program_order_scope_p, {"jaxpr": inner},
+                           outer_effects, jx.new_source_info())
+    jaxpr = jx.Jaxpr([], invars, outvars, [eqn], outer_effects,
                        debug_info=closed_jaxpr.jaxpr.debug_info)
-    return core.ClosedJaxpr(jaxpr, [])
+    return jx.ClosedJaxpr(jaxpr, [])
 
 
 # ---- a while loop whose batched predicate taps ------------------------------------------------
 
 
-def _while_lowering_keeping_finished_lanes(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts,
-                                           body_nconsts):
+def _keeping_finished_lanes(jax_while_lowering):
     """JAX lowers a while loop whose predicate has an ordered effect by evaluating the predicate
     inside the body; with a batched predicate (vmap) it then runs the body on every lane until all
     are done, and lanes that had finished go on changing (jax 0.10.2: a vmapped count-down to 0
     returns -1). When the predicate holds a tap, this lowers such a loop the same way but keeps
     each finished lane's carry; every other loop is left to JAX."""
-    if not (cond_jaxpr.out_avals[0].shape
-            and any(isinstance(effect, TAP_EFFECTS) for effect in cond_jaxpr.effects)):
-        return _while_lowering(ctx, *args, cond_jaxpr=cond_jaxpr, body_jaxpr=body_jaxpr,
-                               cond_nconsts=cond_nconsts, body_nconsts=body_nconsts)
 
-    def lanes_going_on(cond_consts, carry):
-        return core.eval_jaxpr(cond_jaxpr.jaxpr, cond_jaxpr.consts, *cond_consts, *carry)[0]
+    def rule(ctx, *args, cond_jaxpr, body_jaxpr, cond_nconsts, body_nconsts):
+        if not (cond_jaxpr.out_avals[0].shape
+                and any(isinstance(effect, TAP_EFFECTS) for effect in cond_jaxpr.effects)):
+            return jax_while_lowering(ctx, *args, cond_jaxpr=cond_jaxpr, body_jaxpr=body_jaxpr,
+                                      cond_nconsts=cond_nconsts, body_nconsts=body_nconsts)
 
-    def loop(*args):
-        cond_consts, body_consts, carry = util.split_list(args, [cond_nconsts, body_nconsts])
+        def lanes_going_on(cond_consts, carry):
+            return jx.eval_jaxpr(cond_jaxpr.jaxpr, cond_jaxpr.consts, *cond_consts, *carry)[0]
 
-        def step(state):
-            going_on, carry = state
-            new = core.eval_jaxpr(body_jaxpr.jaxpr, body_jaxpr.consts, *body_consts, *carry)
-            carry = [lax.select(lax.broadcast_in_dim(going_on, x.shape, range(going_on.ndim)),
-                                n, x) for n, x in zip(new, carry)]
-            return lanes_going_on(cond_consts, carry), carry
+        def loop(*args):
+            cond_consts, body_consts, carry = jx.split_list(args, [cond_nconsts, body_nconsts])
 
-        _, carry = lax.while_loop(lambda state: lax.reduce_or(state[0], range(state[0].ndim)),
-                                  step, (lanes_going_on(cond_consts, carry), list(carry)))
-        return carry
+            def step(state):
+                going_on, carry = state
+                new = jx.eval_jaxpr(body_jaxpr.jaxpr, body_jaxpr.consts, *body_consts, *carry)
+                carry = [lax.select(lax.broadcast_in_dim(going_on, x.shape, range(going_on.ndim)),
+                                    n, x) for n, x in zip(new, carry)]
+                return lanes_going_on(cond_consts, carry), carry
 
-    return mlir.lower_fun(loop, multiple_results=True)(ctx, *args)
+            _, carry = lax.while_loop(lambda state: lax.reduce_or(state[0], range(state[0].ndim)),
+                                      step, (lanes_going_on(cond_consts, carry), list(carry)))
+            return carry
 
+        return jx.mlir.lower_fun(loop, multiple_results=True)(ctx, *args)
 
-_while_entry = mlir._lowerings[lax.while_p]
-_while_lowering = getattr(_while_entry.rule, "hostcallback_wraps", _while_entry.rule)
-_while_lowering_keeping_finished_lanes.hostcallback_wraps = _while_lowering
-mlir.register_lowering(lax.while_p, _while_lowering_keeping_finished_lanes,
-                       inline=_while_entry.inline)
+    return rule
 
 
-# ---- the one hook into JAX's lowering ------------------------------------------------------------
+patches.wrap_lowering(lax.while_p, _keeping_finished_lanes)
 
-_lower_to_hlo = getattr(pxla, "_cached_lowering_to_hlo", None)
-_lower_to_hlo = getattr(_lower_to_hlo, "hostcallback_wraps", _lower_to_hlo)  # a module reload
-if _lower_to_hlo is None:  # pragma: no cover - only on an unsupported JAX
-    raise ImportError(
-        f"hostcallback supports jax{SUPPORTED_JAX}; jax {jax.__version__} lowers computations in "
-        "a way it does not know (no jax._src.interpreters.pxla._cached_lowering_to_hlo)")
+# ---- the one hook into JAX's lowering: each computation's jaxpr gets its scope -------------------
 
-
-def _lower_in_program_order(closed_jaxpr, *args, **kwargs):
-    return _lower_to_hlo(scoped(closed_jaxpr), *args, **kwargs)
-
-
-_lower_in_program_order.hostcallback_wraps = _lower_to_hlo
-pxla._cached_lowering_to_hlo = _lower_in_program_order
+patches.wrap_computation_lowering(scoped)

@@ -24,6 +24,7 @@ import _thread
 import atexit
 import itertools
 import logging
+import queue
 import threading
 import time
 import traceback
@@ -32,8 +33,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core
 
+from hostcallback import _jax as jx
 from hostcallback import batches, config, results, wire
 from hostcallback._native import outfeed
 from hostcallback.record_context import (
@@ -163,6 +164,39 @@ class FailureLog:
                             what, name, count, type(error).__name__, error)
 
 
+class _Dispatcher:
+    """One thread, started with the receivers, that dispatches the markers of barriers with a
+    deadline: dispatching waits while a device is busy (a computation blocked on a full queue or
+    a pending call), and the barrier's deadline must hold meanwhile. It exists before exit
+    because Python 3.12 refuses to start a thread once interpreter exit has begun."""
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="hostcallback-barrier-dispatcher")
+        self._thread.start()
+
+    def submit(self, work) -> threading.Event:
+        """Runs ``work()`` on the thread; the event is set once it has returned or raised."""
+        done = threading.Event()
+        self._requests.put((work, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            work, done = self._requests.get()
+            try:
+                work()
+            except BaseException:  # noqa: BLE001 - work reports its own errors
+                pass
+            finally:
+                done.set()
+                del work, done
+
+
 class ReceiverPool:
     """The receiver threads of this process and the bookkeeping barrier_wait needs."""
 
@@ -185,6 +219,7 @@ class ReceiverPool:
         self._local = threading.local()
         self._flush_hooks: weakref.WeakSet = weakref.WeakSet()
         self._marker_computations: dict[str, tuple] = {}  # per transport, built on first use
+        self._dispatcher = _Dispatcher()
 
     # ---- lifecycle ----
 
@@ -211,6 +246,7 @@ class ReceiverPool:
                                                f"-{device.id}")
                 self._threads[key] = thread
                 thread.start()
+            self._dispatcher.start()
             atexit.register(self._at_exit)
 
     @property
@@ -395,7 +431,7 @@ class ReceiverPool:
             raise RuntimeError(
                 "barrier_wait() was called from inside a tap consumer; it would wait for itself. "
                 "Call it from the code that runs the computation instead.")
-        if not core.trace_state_clean():
+        if not jx.trace_state_clean():
             raise RuntimeError(
                 "barrier_wait() was called while tracing (inside jit, vmap, grad, ...); it waits "
                 "on the host for taps and cannot be part of a computation. Call it after the "
@@ -445,12 +481,12 @@ class ReceiverPool:
             logger.debug("hostcallback: barrier %s (marker %d) starts", logging_name, marker)
         deadline = None if timeout is None else time.monotonic() + timeout
         send_errors: list[BaseException] = []
-        sender = None
+        sent = None
         if timeout is None:
             self._send_markers(marker)
         else:
-            # Dispatching a marker waits while its device is busy (a computation blocked on a
-            # full queue or a pending call): send from a helper thread so the deadline holds.
+            # Dispatching a marker waits while its device is busy: the dispatcher thread sends
+            # them, so that the deadline holds.
             def send() -> None:
                 try:
                     self._send_markers(marker)
@@ -459,9 +495,7 @@ class ReceiverPool:
                     with self._lock:
                         self._marker_seen.notify_all()
 
-            sender = threading.Thread(target=send, daemon=True,
-                                      name=f"hostcallback-barrier-{marker}")
-            sender.start()
+            sent = self._dispatcher.submit(send)
         with self._lock:
             try:
                 while True:
@@ -484,10 +518,10 @@ class ReceiverPool:
             finally:
                 for seen in self._markers.values():
                     seen.difference_update({marker, marker + 1})
-        if sender is not None:
-            # Its markers arrived, so its dispatches are done: let it end before we return (a
-            # daemon thread still inside jaxlib when the interpreter exits aborts the process).
-            sender.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if sent is not None:
+            # Its markers arrived, so its dispatches are done: let it return before we do (a
+            # thread still inside jaxlib when the interpreter exits aborts the process).
+            sent.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if logging_name:
             logger.debug("hostcallback: barrier %s (marker %d) done", logging_name, marker)
 
@@ -502,7 +536,7 @@ class ReceiverPool:
         several devices one computation over them all that sends ``marker + 1`` from each.
         The markers run on devices and meshes of their own: the user's mesh (``jax.set_mesh``)
         is set aside while they are sent."""
-        with jax.set_mesh(None):
+        with jx.outside_user_mesh():
             self._send_markers_outside_user_mesh(marker)
 
     def _send_markers_outside_user_mesh(self, marker: int) -> None:

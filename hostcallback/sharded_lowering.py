@@ -14,18 +14,14 @@ callback targets, so we build the two forms ourselves:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 
 import jax
 import numpy as np
-from jax._src import config as jax_config
-from jax._src import core, sharding_impls
-from jax._src import mesh as mesh_lib
-from jax._src.interpreters import mlir
-from jax._src.lib.mlir import ir
 from jax.experimental.custom_partitioning import SdyShardingRule, custom_partitioning
 
+from hostcallback import _jax as jx
+from hostcallback._jax import ir, mlir
 from hostcallback.registry import registry
 
 ALL_DEVICES = -1  # emit_device: each device that runs the tap enqueues
@@ -42,16 +38,13 @@ def local_ordinal(device) -> int:
 def manual_sharding(result_ranks: list[int]):
     """The annotation that says: run this op on every device, on its own data (shard_map).
     Shardy wants one entry per result, with one dimension entry per dimension."""
-    from jax._src.lib import xla_client as xc
-
-    if jax_config.use_shardy_partitioner.value:
-        return sharding_impls.SdyArrayList(tuple(
-            sharding_impls.SdyArray(
-                mesh_shape=(), logical_device_ids=(),
-                dim_shardings=(sharding_impls.SdyDim(axes=(), is_open=False),) * rank)
+    if jx.shardy_enabled():
+        return jx.SdyArrayList(tuple(
+            jx.SdyArray(mesh_shape=(), logical_device_ids=(),
+                        dim_shardings=(jx.SdyDim(axes=(), is_open=False),) * rank)
             for rank in result_ranks))
-    op_sharding = xc.OpSharding()
-    op_sharding.type = xc.OpSharding.Type.MANUAL
+    op_sharding = jx.OpSharding()
+    op_sharding.type = jx.OpSharding.Type.MANUAL
     return op_sharding
 
 
@@ -63,7 +56,7 @@ def check_device_index(device_index: int, num_devices: int) -> None:
 
 
 def _plain(avals):
-    return [core.ShapedArray(a.shape, a.dtype) for a in avals]
+    return [jx.ShapedArray(a.shape, a.dtype) for a in avals]
 
 
 def lower_on_one_device(ctx, args, *, device_index, **params):
@@ -103,29 +96,31 @@ def lower_on_one_device(ctx, args, *, device_index, **params):
     region_ctx = dataclasses.replace(
         ctx, avals_in=_plain(ctx.avals_in),
         avals_out=_plain(ctx.avals_out) + ([_FAILURE_FLAG] if is_call else []))
-    with _outside_user_mesh():
+    # JAX refuses a shard_map whose mesh differs from the user's context mesh (jax.set_mesh,
+    # use_mesh): the region is built as if none were set; the user's is back once it is built.
+    with jx.outside_user_mesh(abstract_only=True):
         outs = mlir.lower_fun(region, multiple_results=True)(region_ctx, *args)
     if region_ctx.tokens_out is not None:
         ctx.set_tokens_out(region_ctx.tokens_out)
     return outs[:-1] if is_call else outs
 
 
-_FAILURE_FLAG = core.ShapedArray((), np.uint32)  # the last result of a shared call (native.py)
+_FAILURE_FLAG = jx.ShapedArray((), np.uint32)  # the last result of a shared call (native.py)
 
 # After a shared call: fails every device with the call's reason if the summed flag says it
 # failed, else passes the flag and the shared results through (transport/native.py,
 # transport/callback.py).
-shared_call_check_p = core.Primitive("hostcallback_shared_call_check")
+shared_call_check_p = jx.Primitive("hostcallback_shared_call_check")
 shared_call_check_p.multiple_results = True
 shared_call_check_p.def_abstract_eval(
-    lambda *operands, **params: [core.ShapedArray(v.shape, v.dtype) for v in operands])
+    lambda *operands, **params: [jx.ShapedArray(v.shape, v.dtype) for v in operands])
 
 
 def _check_lowering(ctx, failed, *values, consumer_id, transport, platform):
     from hostcallback.transport import emitter_for
 
     op_sharding = None
-    if isinstance(ctx.module_context.axis_context, sharding_impls.SPMDAxisContext):
+    if isinstance(ctx.module_context.axis_context, jx.SPMDAxisContext):
         op_sharding = manual_sharding([v.ndim for v in ctx.avals_out])
     return emitter_for(transport, platform).check(ctx, failed, list(values),
                                                   consumer_id=consumer_id,
@@ -138,15 +133,6 @@ for _platform in ("cpu", "cuda", "rocm", "tpu"):
         lambda ctx, *args, _platform=_platform, **params: _check_lowering(
             ctx, *args, platform=_platform, **params),
         platform=_platform)
-
-
-@contextlib.contextmanager
-def _outside_user_mesh():
-    """Our region runs on its own mesh over the computation's devices. JAX refuses a shard_map
-    whose mesh differs from the user's context mesh (jax.set_mesh, use_mesh), so the region is
-    built as if no mesh were set; the user's mesh is back as soon as it is built."""
-    with mesh_lib.use_abstract_mesh(mesh_lib.empty_abstract_mesh):
-        yield
 
 
 def _share_from_caller(x, axis_name):

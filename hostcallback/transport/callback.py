@@ -14,22 +14,19 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-from jax._src import callback as jax_callback
-from jax._src import core, sharding_impls
-from jax._src.interpreters import mlir
-from jax._src.lib.mlir.dialects import hlo
-
+from hostcallback import _jax as jx
 from hostcallback import wire
+from hostcallback._jax import hlo, mlir
 from hostcallback._native import outfeed
 
-_PARTITION_AVAL = core.ShapedArray((), np.uint32)
-_CONSUMER_AVAL = core.ShapedArray((), np.uint64)
+_PARTITION_AVAL = jx.ShapedArray((), np.uint32)
+_CONSUMER_AVAL = jx.ShapedArray((), np.uint64)
 
 
 def _device_of_partition(axis_context) -> Callable[[np.ndarray], jax.Device]:
     """Maps XLA's partition id, as the callback receives it, to the calling device. Its queue
     is named by platform and id, as the receivers name it."""
-    if isinstance(axis_context, sharding_impls.SPMDAxisContext):
+    if isinstance(axis_context, jx.SPMDAxisContext):
         devices = tuple(axis_context.mesh.devices.flat)
     else:
         devices = tuple(getattr(axis_context, "device_assignment", None) or ())
@@ -50,7 +47,7 @@ def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
 
     partition = hlo.partition_id()
     callback_ctx = dataclasses.replace(ctx, avals_in=[_PARTITION_AVAL, *ctx.avals_in], avals_out=[])
-    _, token_out, _ = jax_callback.emit_python_callback(
+    _, token_out, _ = jx.emit_python_callback(
         callback_ctx, enqueue_on_host, token, [partition, *args], callback_ctx.avals_in, [],
         has_side_effect=True, returns_token=True, sharding=op_sharding)
     return token_out
@@ -86,13 +83,13 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, r
             return zeros()[:-1] + (np.uint32(1),)
         return results + (np.uint32(0),) if shared else results
 
-    if isinstance(op_sharding, sharding_impls.SdyArrayList) and result_avals:
+    if isinstance(op_sharding, jx.SdyArrayList) and result_avals:
         # With results, JAX adds the token's annotation itself.
-        op_sharding = sharding_impls.SdyArrayList(op_sharding.shardings[1:])
+        op_sharding = jx.SdyArrayList(op_sharding.shardings[1:])
     partition = hlo.partition_id()
     callback_ctx = dataclasses.replace(ctx, avals_in=[_PARTITION_AVAL, *ctx.avals_in],
                                        avals_out=list(result_avals))
-    results, token_out, _ = jax_callback.emit_python_callback(
+    results, token_out, _ = jx.emit_python_callback(
         callback_ctx, call_on_host, token, [partition, *args], callback_ctx.avals_in,
         list(result_avals), has_side_effect=True, returns_token=True, sharding=op_sharding)
     return token_out, list(results)
@@ -115,7 +112,7 @@ def check(ctx, failed, values, *, consumer_id: int, op_sharding):
 
     avals = list(ctx.avals_in)
     callback_ctx = dataclasses.replace(ctx, avals_out=avals)
-    results, _, _ = jax_callback.emit_python_callback(
+    results, _, _ = jx.emit_python_callback(
         callback_ctx, check_on_host, None, [failed, *values], avals, avals,
         has_side_effect=True, returns_token=False, sharding=op_sharding)
     return list(results)
@@ -129,7 +126,7 @@ def register_shard_callback(ctx) -> int:
     thrown away; it calls this one by index instead (tap_shard), with the consumer id and its
     partition id as operands.
     """
-    if ctx.module_context.platforms[0] not in _CALLBACK_TARGETS:
+    if ctx.module_context.platforms[0] not in jx.PYTHON_CALLBACK_TARGETS:
         raise NotImplementedError(
             f"partitioned=True taps on {ctx.module_context.platforms[0]} are not supported (JAX's "
             "host callbacks cannot run per shard there); tap inside a shard_map instead, where "
@@ -142,24 +139,19 @@ def register_shard_callback(ctx) -> int:
                         platform=device.platform)
         return (token,)
 
-    ctx.module_context.add_host_callback(enqueue_shard)
-    return len(ctx.module_context.host_callbacks) - 1
-
-
-_CALLBACK_TARGETS = {"cpu": "xla_ffi_python_cpu_callback", "cuda": "xla_ffi_python_gpu_callback",
-                     "rocm": "xla_ffi_python_gpu_callback"}
+    return jx.add_host_callback(ctx, enqueue_shard)
 
 
 def tap_shard(ctx, args, *, consumer_id: int, callback_index: int, token, op_sharding):
     """One device's shard of a partitioned tap: calls the callback register_shard_callback
     registered with the whole computation, with this device's partition id."""
-    target = _CALLBACK_TARGETS[ctx.module_context.platforms[0]]
+    target = jx.PYTHON_CALLBACK_TARGETS[ctx.module_context.platforms[0]]
     operands = [token, mlir.ir_constant(np.uint64(consumer_id)), hlo.partition_id(), *args]
     call_ctx = dataclasses.replace(
-        ctx, avals_in=[core.abstract_token, _CONSUMER_AVAL, _PARTITION_AVAL, *ctx.avals_in],
-        avals_out=[core.abstract_token])
+        ctx, avals_in=[jx.abstract_token, _CONSUMER_AVAL, _PARTITION_AVAL, *ctx.avals_in],
+        avals_out=[jx.abstract_token])
     (token_out,) = jax.ffi.ffi_lowering(target, has_side_effect=True)(
         call_ctx, *operands, index=np.uint64(callback_index))
     if op_sharding is not None:
-        mlir.set_sharding(ctx.module_context, token_out.owner, op_sharding)
+        jx.set_sharding(ctx.module_context, token_out.owner, op_sharding)
     return token_out

@@ -10,9 +10,7 @@ import dataclasses
 
 import jax
 import numpy as np
-from jax._src import core
-from jax._src.interpreters import mlir
-
+from hostcallback import _jax as jx
 from hostcallback._native import outfeed
 
 TAP_TARGET = "hostcallback_tap"
@@ -28,12 +26,12 @@ _lower_check = jax.ffi.ffi_lowering(CHECK_TARGET, has_side_effect=True)
 
 
 def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
-    call_ctx = dataclasses.replace(ctx, avals_in=[core.abstract_token, *ctx.avals_in],
-                                   avals_out=[core.abstract_token])
+    call_ctx = dataclasses.replace(ctx, avals_in=[jx.abstract_token, *ctx.avals_in],
+                                   avals_out=[jx.abstract_token])
     (token_out,) = _lower_tap(call_ctx, token, *args, consumer_id=np.uint64(consumer_id),
                               emit_device=np.int64(emit_device))
     if op_sharding is not None:
-        mlir.set_sharding(ctx.module_context, token_out.owner, op_sharding)
+        jx.set_sharding(ctx.module_context, token_out.owner, op_sharding)
     return token_out
 
 
@@ -41,13 +39,13 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, r
          timeout_s: float):
     """The device sends ``args`` and waits for the host's results, which the handler copies into
     the outputs: (token, *results). With emit_device >= 0 the other devices get zeros at once."""
-    call_ctx = dataclasses.replace(ctx, avals_in=[core.abstract_token, *ctx.avals_in],
-                                   avals_out=[core.abstract_token, *result_avals])
+    call_ctx = dataclasses.replace(ctx, avals_in=[jx.abstract_token, *ctx.avals_in],
+                                   avals_out=[jx.abstract_token, *result_avals])
     token_out, *results = _lower_call(call_ctx, token, *args, consumer_id=np.uint64(consumer_id),
                                       emit_device=np.int64(emit_device),
                                       timeout_s=np.float64(timeout_s))
     if op_sharding is not None:
-        mlir.set_sharding(ctx.module_context, token_out.owner, op_sharding)
+        jx.set_sharding(ctx.module_context, token_out.owner, op_sharding)
     return token_out, results
 
 
@@ -57,5 +55,5 @@ def check(ctx, failed, values, *, consumer_id: int, op_sharding):
     the values through."""
     results = _lower_check(ctx, failed, *values, consumer_id=np.uint64(consumer_id))
     if op_sharding is not None:
-        mlir.set_sharding(ctx.module_context, results[0].owner, op_sharding)
+        jx.set_sharding(ctx.module_context, results[0].owner, op_sharding)
     return list(results)

@@ -1,28 +1,46 @@
 """hostcallback: see values from inside jitted JAX code on the host, without Python on the device thread.
 
 The public API, and nothing else. The "Architecture" document says how a tap travels.
+
+Importing this package must not import jax: pytest loads ``hostcallback.testing`` in every run
+of an environment that has hostcallback installed, and that runs this file. The names that need
+jax (the API and the receiver's) are imported on first use, by ``__getattr__`` below; a JAX
+older than the oldest supported is refused here already, from its installed version.
 """
 
-from hostcallback import config
-from hostcallback.api import (
-                              barrier_wait,
-                              call,
-                              id_print,
-                              id_tap,
-                              pure_callback,
-                              queue_stats,
-                              stop_outfeed_receiver,
-)
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+from typing import TYPE_CHECKING, Any
+
+from hostcallback import config, versions
 from hostcallback.config import configure
 from hostcallback.flavors import CallbackFlavor
-from hostcallback.receiver import (
-                              CallbackException,
-                              ReceiverStoppedError,
-                              reset_peak_bytes_queued,
-)
 from hostcallback.record_context import RecordContext, current_record
 
+if TYPE_CHECKING:
+    from hostcallback.api import (
+                                  barrier_wait,
+                                  call,
+                                  id_print,
+                                  id_tap,
+                                  pure_callback,
+                                  queue_stats,
+                                  stop_outfeed_receiver,
+    )
+    from hostcallback.receiver import (
+                                  CallbackException,
+                                  ReceiverStoppedError,
+                                  reset_peak_bytes_queued,
+    )
+
 __version__ = "0.1.0"
+
+try:
+    versions.refuse_unsupported(importlib.metadata.version("jax"))
+except importlib.metadata.PackageNotFoundError:  # jax's own import says what is missing
+    pass
 
 __all__ = [
     "CallbackException",
@@ -41,3 +59,24 @@ __all__ = [
     "reset_peak_bytes_queued",
     "stop_outfeed_receiver",
 ]
+
+# The public names that need jax, by the module that defines them.
+_IMPORTED_ON_FIRST_USE = {
+    **dict.fromkeys(("barrier_wait", "call", "id_print", "id_tap", "pure_callback", "queue_stats",
+                     "stop_outfeed_receiver"), "hostcallback.api"),
+    **dict.fromkeys(("CallbackException", "ReceiverStoppedError", "reset_peak_bytes_queued"),
+                    "hostcallback.receiver"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _IMPORTED_ON_FIRST_USE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hostcallback' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_IMPORTED_ON_FIRST_USE))

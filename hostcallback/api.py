@@ -1,6 +1,6 @@
 """The public tap API: validate what the user passed, flatten it, register a consumer, bind.
 
-The functions are thin on purpose; the primitive's rules (primitive.py) and the receivers
+The functions are thin on purpose; the primitive's rules (primitive.py, or portable.py) and the receivers
 (receiver.py) do the work. Every mistake a user can make here is answered at trace time with an
 error that names the argument and says what to do instead.
 """
@@ -18,7 +18,7 @@ import numpy as np
 from jax import tree_util
 
 from hostcallback import _jax as jx
-from hostcallback import config, primitive, printing, reentry, transport, wire
+from hostcallback import binding, config, printing, reentry, transport, wire
 from hostcallback.flavors import CallbackFlavor, check_vmap_method, flavor_of
 from hostcallback.receiver import receivers
 from hostcallback.registry import Consumer, registry
@@ -67,7 +67,7 @@ def _tap(consumer: Consumer, leaves, device_index: int, ordered: bool | None,
             "ordered=False.")
     reentry.refuse_inside_consumer("a call" if "result_avals" in call_params else "a tap")
     receivers.ensure_started()
-    return primitive.bind(
+    return binding.bind(
         leaves, consumer_id=registry.register(consumer), transport=transport.default_transport(),
         ordered=ordered, device_index=device_index, flavor=flavor.value, **call_params)
 
@@ -177,8 +177,8 @@ def _check_arity(func: Callable[..., Any], api: str, positional: int, with_devic
 
 
 def _tap_only_params(partitioned: bool, replays: str) -> dict:
-    if replays not in primitive.REPLAYS:
-        raise ValueError(f"replays must be one of {', '.join(map(repr, primitive.REPLAYS))}, "
+    if replays not in binding.REPLAYS:
+        raise ValueError(f"replays must be one of {', '.join(map(repr, binding.REPLAYS))}, "
                          f"got {replays!r}")
     return {"partitioned": bool(partitioned), "replays": replays}
 

@@ -431,7 +431,7 @@ class ReceiverPool:
             raise RuntimeError(
                 "barrier_wait() was called from inside a tap consumer; it would wait for itself. "
                 "Call it from the code that runs the computation instead.")
-        if not jx.trace_state_clean():
+        if jx.is_tracing():
             raise RuntimeError(
                 "barrier_wait() was called while tracing (inside jit, vmap, grad, ...); it waits "
                 "on the host for taps and cannot be part of a computation. Call it after the "
@@ -536,18 +536,35 @@ class ReceiverPool:
         several devices one computation over them all that sends ``marker + 1`` from each.
         The markers run on devices and meshes of their own: the user's mesh (``jax.set_mesh``)
         is set aside while they are sent."""
+        if jx.PORTABLE:
+            self._send_markers_from_host(marker)
+            return
         with jx.outside_user_mesh():
             self._send_markers_outside_user_mesh(marker)
 
+    def _send_markers_from_host(self, marker: int) -> None:
+        """The portable mode's barrier: once JAX's effects barrier has seen every computation
+        dispatched so far finish (their taps are then queued), a marker enqueued from the host
+        comes after all of them, on every device (``marker + 1`` too where a barrier expects
+        two)."""
+        jax.effects_barrier()
+        grouped = self._platform_groups()
+        for (platform, ordinal) in self._devices:
+            values = [marker, marker + 1] if len(grouped[platform]) > 1 else [marker]
+            for value in values:
+                outfeed.enqueue(ordinal, BARRIER_MARKER_ID,
+                                [wire.as_leaf(np.array(value, dtype=np.uint64))],
+                                platform=platform)
+
     def _send_markers_outside_user_mesh(self, marker: int) -> None:
-        from hostcallback import primitive, transport
+        from hostcallback import binding, transport
 
         # The markers travel by the transport in use now, as the taps they wait for do.
         transport_name = transport.default_transport()
         if transport_name not in self._marker_computations:
 
             def tap_marker(x):
-                return primitive.bind([x], consumer_id=BARRIER_MARKER_ID, transport=transport_name)
+                return binding.bind([x], consumer_id=BARRIER_MARKER_ID, transport=transport_name)
 
             all_devices_markers = []
             for devices in self._platform_groups().values():

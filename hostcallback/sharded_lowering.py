@@ -98,7 +98,7 @@ def lower_on_one_device(ctx, args, *, device_index, **params):
         avals_out=_plain(ctx.avals_out) + ([_FAILURE_FLAG] if is_call else []))
     # JAX refuses a shard_map whose mesh differs from the user's context mesh (jax.set_mesh,
     # use_mesh): the region is built as if none were set; the user's is back once it is built.
-    with jx.outside_user_mesh(abstract_only=True):
+    with jx.outside_abstract_mesh():
         outs = mlir.lower_fun(region, multiple_results=True)(region_ctx, *args)
     if region_ctx.tokens_out is not None:
         ctx.set_tokens_out(region_ctx.tokens_out)

@@ -8,6 +8,11 @@ raised fails the test instead of leaking into the next one::
         step(params)                      # taps with hcb.id_tap(tap_records.tap("loss"), loss)
         hcb.barrier_wait()
         assert len(tap_records["loss"]) == 1
+
+Every pytest run in an environment that has hostcallback installed loads this module, so it
+imports nothing at load but pytest and the standard library: never jax, never the rest of
+hostcallback (whose ``__init__`` must stay as cheap). The fixture imports hostcallback when a test
+asks for it.
 """
 
 from __future__ import annotations
@@ -16,8 +21,6 @@ import threading
 from typing import Any
 
 import pytest
-
-import hostcallback
 
 
 class TapRecords:
@@ -59,6 +62,8 @@ class TapRecords:
 
 @pytest.fixture
 def tap_records():
+    import hostcallback  # here, not at module level: see the module docstring
+
     records = TapRecords()
     yield records
     try:

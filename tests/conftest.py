@@ -13,9 +13,21 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 
 import pytest
 
-from hostcallback import config
+from hostcallback import _jax, config
 
 TRANSPORTS = ("native", "callback")
+
+
+def pytest_collection_modifyitems(config, items):
+    """In the portable mode, tests marked ``needs_internals("what")`` are skipped, saying what
+    that mode lacks; everything else runs."""
+    if not _jax.PORTABLE:
+        return
+    for item in items:
+        marker = item.get_closest_marker("needs_internals")
+        if marker is not None:
+            item.add_marker(pytest.mark.skip(
+                reason=f"the portable mode ({_jax.PORTABLE_REASON}) lacks {marker.args[0]}"))
 
 
 @pytest.fixture(params=TRANSPORTS)

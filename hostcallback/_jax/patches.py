@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from jax import lax
 
-from hostcallback._jax import _dispatch, _mlir, effects, pe, pxla
+from hostcallback._jax.private import _dispatch, _mlir, effects, pe, pxla
 
 _EFFECT_SETS = ("lowerable_effects", "control_flow_allowed_effects", "ordered_effects",
                 "shardable_ordered_effects", "custom_derivatives_allowed_effects",

@@ -1,0 +1,107 @@
+"""Taps and calls on JAX's public API alone: the portable mode (``HOSTCALLBACK_PORTABLE=1``, or a
+JAX whose internals the seam in ``hostcallback._jax`` cannot use).
+
+A native tap is ``jax.ffi.ffi_call`` of the same C++ handler with ``has_side_effect=True``: JAX
+keeps it when its result is unused, runs it inside loops and branches, and vmap calls it once per
+batch element. It taps ``stop_gradient`` of its operands, so under grad it taps the primal values
+once and the tangents pass around it. On a platform without the native handler (or with the
+callback transport) the record is enqueued from ``jax.debug.callback`` (taps) or ``io_callback``
+/ ``pure_callback`` (calls) into the queue of the process's first device. A barrier is JAX's
+``effects_barrier()`` followed by a marker enqueued from the host (receiver.py).
+
+What it lacks is listed in ``hostcallback._jax.PORTABLE_LACKS``; asking for it is refused here
+with an error that says so, never ignored. This module uses no private JAX module.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.experimental import io_callback
+
+from hostcallback import _jax as jx
+from hostcallback import transport, wire
+from hostcallback._native import outfeed
+from hostcallback.flavors import CallbackFlavor
+from hostcallback.transport.native import CALL_TARGET, TAP_TARGET  # registers the handlers
+
+REPLAYS = ("deliver", "mark", "skip")  # the same words as the primitive; only deliver is done
+_PURE = CallbackFlavor.PURE.value
+_ALL_DEVICES = np.int64(-1)
+
+
+def _refuse(what: str) -> None:
+    raise NotImplementedError(
+        f"{what} needs JAX internals that hostcallback's portable mode does not use "
+        f"({jx.PORTABLE_REASON}). The portable mode lacks {jx.PORTABLE_LACKS}.")
+
+
+def _native_here(transport_name: str) -> bool:
+    return transport_name == "native" and jax.default_backend() in transport.NATIVE_PLATFORMS
+
+
+def host_device():
+    """The device whose queue the callback transport's records go to in this mode."""
+    return jax.local_devices()[0]
+
+
+def _enqueue_on_host(consumer_id: int):
+    def enqueue(*arrays):
+        device = host_device()
+        outfeed.enqueue(device.id, consumer_id, [wire.as_leaf(np.asarray(a)) for a in arrays],
+                        platform=device.platform)
+    return enqueue
+
+
+def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
+         device_index: int = 0, result_avals: tuple | None = None, timeout_s: float = 0.0,
+         flavor: str = "io_callback", vmap_method: str | None = None,
+         partitioned: bool = False, replays: str = "deliver"):
+    """A tap (result_avals None: returns the leaves) or a call (returns arrays of result_avals)."""
+    del device_index  # one device runs a computation that is not split over several
+    if ordered:
+        _refuse("ordered=True (HOSTCALLBACK_ORDERED=1)")
+    if partitioned:
+        _refuse("partitioned=True")
+    if replays != "deliver":
+        _refuse(f"replays={replays!r}")
+    if result_avals is not None:
+        return _call(leaves, consumer_id, transport, result_avals, timeout_s, flavor,
+                     vmap_method)
+    stopped = [jax.lax.stop_gradient(leaf) for leaf in leaves]
+    if _native_here(transport):
+        jax.ffi.ffi_call(TAP_TARGET, (), has_side_effect=True, vmap_method="sequential")(
+            *stopped, consumer_id=np.uint64(consumer_id), emit_device=_ALL_DEVICES)
+    else:
+        jax.debug.callback(_enqueue_on_host(consumer_id), *stopped)
+    return list(leaves)
+
+
+def _call(leaves, consumer_id, transport_name, result_avals, timeout_s, flavor, vmap_method):
+    shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in result_avals]
+    if _native_here(transport_name):
+        outs = jax.ffi.ffi_call(CALL_TARGET, shapes, has_side_effect=flavor != _PURE,
+                                vmap_method=vmap_method)(
+            *leaves, consumer_id=np.uint64(consumer_id), emit_device=_ALL_DEVICES,
+            timeout_s=np.float64(timeout_s))
+        return list(outs)
+
+    def call_on_host(*arrays):
+        device = host_device()
+        answers = outfeed.call(device.id, consumer_id,
+                               [wire.as_leaf(np.asarray(a)) for a in arrays], timeout_s,
+                               platform=device.platform)
+        return tuple(np.frombuffer(answer, dtype=s.dtype).reshape(s.shape)
+                     for answer, s in zip(answers, shapes))
+
+    if flavor == _PURE:
+        outs = jax.pure_callback(call_on_host, tuple(shapes), *leaves,
+                                 vmap_method=vmap_method)
+    else:
+        if vmap_method not in (None, "sequential"):
+            _refuse(f"vmap_method={vmap_method!r} for a call on the callback transport")
+        outs = io_callback(call_on_host, tuple(shapes), *leaves)
+    return list(outs)
+
+
+__all__ = ["REPLAYS", "bind", "host_device"]

@@ -382,6 +382,9 @@ class Collector:
         return count, position
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._closing:  # accepted just before serve() ended, which dropped the others
+            writer.transport.abort()
+            return
         self.connections += 1
         peername = writer.get_extra_info("peername") or ("?", 0)
         peer = f"{peername[0]}:{peername[1]}"
@@ -538,17 +541,27 @@ class Collector:
         if ready is not None:
             ready.set()
         try:
-            async with server:
-                await server.serve_forever()
+            # Not serve_forever() nor ``async with server``: from Python 3.12.1 both end by
+            # awaiting Server.wait_closed(), which waits for every connection to end, and ours
+            # end only when the shutdown below drops them, so serve() would never return.
+            await asyncio.get_running_loop().create_future()
         finally:
+            server.close()  # listen no more, so a restarted collector can take the port
             self._closing = True
             for writer in list(self._writers):  # drop the clients, so that their senders notice
                 writer.transport.abort()
+            if hasattr(server, "abort_clients"):  # 3.13+: also connections still in TLS setup
+                server.abort_clients()
             handlers = [task for task in self._handlers if task is not asyncio.current_task()]
             for task in handlers:  # one waiting for disk would otherwise reopen a run file
                 task.cancel()
             await asyncio.gather(*handlers, return_exceptions=True)
             self.close()
+            try:  # lets the aborted connections finish closing; bounded, as before 3.13 nothing
+                # can drop a connection whose TLS handshake is still under way
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+            except asyncio.TimeoutError:
+                pass
 
     def counts(self) -> str:
         refused = ", ".join(f"{kind}: {n}" for kind, n in sorted(self.refused.items())) or "none"

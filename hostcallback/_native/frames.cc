@@ -27,6 +27,7 @@
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
+#include "gil.h"
 
 namespace nb = nanobind;
 
@@ -274,7 +275,7 @@ nb::list FrameRecords(nb::list records, size_t start, size_t stop,
       std::memcpy(begin + 8, &crc, 4);
     };
     if (fixed >= kReleaseGilBytes) {
-      nb::gil_scoped_release release;  // nothing below touches a Python object
+      hostcallback::GilReleased released;  // nothing below touches a Python object
       fill();
     } else {
       fill();

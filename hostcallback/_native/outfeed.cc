@@ -45,6 +45,7 @@
 #include "nanobind/stl/tuple.h"
 #include "nanobind/stl/vector.h"
 #include "xla/ffi/api/ffi.h"
+#include "gil.h"
 
 namespace nb = nanobind;
 namespace ffi = xla::ffi;
@@ -1157,7 +1158,7 @@ nb::list DrainRaw(int device, size_t max_records, size_t max_bytes, double timeo
   max_bytes = std::min<uint64_t>(max_bytes, g_max_queue_bytes.load());
   std::vector<Record> records;
   {
-    nb::gil_scoped_release release;
+    hostcallback::GilReleased released;
     ReturnReleased();
     records = queue->Pop(max_records, max_bytes, timeout_s);
   }
@@ -1339,7 +1340,7 @@ nb::tuple Drain(int device, size_t max_records, size_t max_bytes, double timeout
   g_batch_bytes.store(max_bytes, std::memory_order_relaxed);
   std::vector<Record> records;
   {
-    nb::gil_scoped_release release;
+    hostcallback::GilReleased released;
     ReturnReleased();
     records = queue->Pop(max_records, max_bytes, timeout_s, coalesce_s, linger_s);
   }
@@ -1420,7 +1421,7 @@ void EnqueueFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves,
   std::vector<ArrayView> arrays = ViewsOf(leaves);
   int64_t pushed;
   {
-    nb::gil_scoped_release release;
+    hostcallback::GilReleased released;
     FlushOwnReleases();
     pushed = Enqueue(queue, device, consumer_id, arrays);
   }
@@ -1436,7 +1437,7 @@ nb::list CallFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves
   Response response;
   std::string problem;
   {
-    nb::gil_scoped_release release;
+    hostcallback::GilReleased released;
     FlushOwnReleases();
     problem = CallHost(queue, device, consumer_id, arrays, timeout_s, &response);
   }
@@ -1520,6 +1521,8 @@ void DefineFrameFunctions(nb::module_& m);
 NB_MODULE(_hostcallback_outfeed, m) {
   m.doc() = "hostcallback's native outfeed queues and XLA FFI handlers";
   if (_import_array() < 0) throw nb::python_error();
+  hostcallback::RememberMainThread(nb::cast<unsigned long>(
+      nb::module_::import_("threading").attr("main_thread")().attr("ident")));
   m.def("registrations", []() {
     nb::dict d;
     d["hostcallback_tap"] = nb::capsule(reinterpret_cast<void*>(HostcallbackTap));

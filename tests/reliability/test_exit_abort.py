@@ -1,0 +1,91 @@
+"""No abort at interpreter exit: a thread of ours that comes back from a section without the GIL
+after finalization has begun parks instead of being ended by CPython (whose forced unwind through
+a noexcept frame aborted the process, rc 134). Each case runs in many fresh interpreters;
+HOSTCALLBACK_EXIT_RUNS sets how many for the cases that import JAX (50 by hand, see the
+"Reliability" document)."""
+
+import os
+
+import pytest
+from conftest import run_python
+
+RUNS = int(os.environ.get("HOSTCALLBACK_EXIT_RUNS", "3"))
+
+DRAINING_WHILE_FINALIZATION_RUNS_ON = """
+    import threading, time
+    from hostcallback._native import outfeed
+
+    def wait_in_drain():
+        while True:
+            outfeed.drain(3, 16, 1 << 20, 0.02, platform="cpu")
+
+    class SlowToFinalize:
+        def __del__(self):
+            time.sleep(0.1)  # finalization runs on past the drain's timeout
+
+    kept_until_finalization = SlowToFinalize()
+    threading.Thread(target=wait_in_drain, daemon=True).start()
+    time.sleep(0.03)
+    """
+
+
+@pytest.mark.timeout(300)
+def test_a_thread_waiting_in_drain_while_finalization_runs_on_does_not_abort():
+    results = [run_python(DRAINING_WHILE_FINALIZATION_RUNS_ON, timeout=60) for _ in range(50)]
+    assert [(r.returncode, r.stderr[-300:]) for r in results if r.returncode] == []
+
+
+KEYBOARD_INTERRUPT_WITHOUT_A_BARRIER = """
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    import jax
+    import hostcallback as hcb
+
+    def interrupted(arg, transforms):
+        raise KeyboardInterrupt
+
+    step = jax.jit(lambda x: hcb.id_tap(interrupted, x))
+    try:
+        for i in range(2000):
+            step(i)
+    except KeyboardInterrupt:
+        pass
+    """
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("transport", ["native", "callback"])
+def test_a_keyboard_interrupt_in_a_consumer_and_no_barrier_exits_without_abort(transport):
+    for _ in range(RUNS):
+        result = run_python(KEYBOARD_INTERRUPT_WITHOUT_A_BARRIER,
+                            env={"HOSTCALLBACK_TRANSPORT": transport,
+                                 "HOSTCALLBACK_EXIT_TIMEOUT": "2"}, timeout=120)
+        assert result.returncode in (0, 1), result.stderr[-2000:]
+        assert "terminate called" not in result.stderr
+        assert "exception not rethrown" not in result.stderr
+
+
+FAILED_CALL_IN_A_SHARDED_JIT = """
+    import jax, jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import hostcallback as hcb
+
+    mesh = jax.make_mesh((4,), ("d",))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("d")))
+    def bad(v):
+        raise ValueError("boom")
+    try:
+        jax.jit(lambda x: (hcb.call(bad, x, result_shape=()), x * 2)[1])(x).block_until_ready()
+    except Exception as error:
+        print("failed:", "ValueError: boom" in str(error))
+    """
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("transport", ["native", "callback"])
+def test_a_failed_call_in_a_sharded_jit_exits_without_abort(transport):
+    for _ in range(RUNS):
+        result = run_python(FAILED_CALL_IN_A_SHARDED_JIT,
+                            env={"HOSTCALLBACK_TRANSPORT": transport}, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert result.stdout.strip() == "failed: True"

@@ -25,6 +25,7 @@ import atexit
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -63,6 +64,8 @@ _POLL_SECONDS = 0.25
 _SUMMARY_SECONDS = 1.0  # repeated failures of one consumer are summarised at most this often
 _DRAIN_RETRY_SECONDS = 0.05
 _BARRIER_SHARE = 0.8  # of stop()'s (and so of exit's) one deadline
+_EXIT_NOTICE_SECONDS = 1.0  # exit says what it waits for once it has waited this long
+_ABANDON_JOIN_SECONDS = 1.0  # after a second Ctrl-C, how long exit waits for each receiver
 
 QueueKey = tuple  # (platform, device id): how the C++ core names a device's queue
 
@@ -216,6 +219,8 @@ class ReceiverPool:
         self._next_marker = itertools.count(1)
         self._stopping = threading.Event()
         self._stopped = False
+        self._exiting = False  # interpreter exit has begun: Ctrl-C in a consumer interrupts no one
+        self._abandoned = False  # exit was told to leave the queued records (a second Ctrl-C)
         self._local = threading.local()
         self._flush_hooks: weakref.WeakSet = weakref.WeakSet()
         self._marker_computations: dict[str, tuple] = {}  # per transport, built on first use
@@ -253,9 +258,10 @@ class ReceiverPool:
     def started(self) -> bool:
         return bool(self._threads) and not self._stopped
 
-    def stop(self, timeout: float | None = None) -> int:
+    def stop(self, timeout: float | None = None, notice_after: float | None = None) -> int:
         """Delivers what is queued, then stops the threads; returns how many records were left.
-        ``timeout`` bounds the whole stop (barrier and joins together), not each step."""
+        ``timeout`` bounds the whole stop (barrier and joins together), not each step; with
+        ``notice_after``, a stop that has waited that long says on stderr what it waits for."""
         if not self.started:
             self._stopped = self._stopped or bool(self._threads)
             return 0
@@ -264,15 +270,16 @@ class ReceiverPool:
             # The barrier gets most of the deadline; the rest is for the computations that
             # closing the queues wakes (they fail with "stopped") and for the joins.
             self.barrier_wait(timeout=None if timeout is None else timeout * _BARRIER_SHARE,
-                              raise_errors=False)
+                              raise_errors=False, notice_after=notice_after)
         except (TimeoutError, CallbackException) as error:
             logger.warning("hostcallback: %s", error)
+        left = self.undelivered()
         outfeed.set_closed(True)
         self._stopping.set()
         for thread in self._threads.values():
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._stopped = True
-        return self.undelivered()
+        return left
 
     def undelivered(self) -> int:
         """Records enqueued on this process's devices that no receiver has handled yet."""
@@ -281,14 +288,20 @@ class ReceiverPool:
                        - self._delivered[k] for k in self._threads)
 
     def _at_exit(self) -> None:
+        """Delivers what is queued, within HOSTCALLBACK_EXIT_TIMEOUT; a Ctrl-C meanwhile leaves
+        the rest (one line says how many). No receiver calls a consumer after this returns, so
+        none runs Python while the interpreter finalizes."""
+        self._exiting = True
         timeout = config.settings.exit_timeout_s
         start = time.monotonic()
         deadline = start + timeout
-        if not self.started:
-            self._run_flush_hooks(deadline)
-            self._failure_log.flush()
+        try:
+            undelivered = self.stop(timeout=timeout, notice_after=_EXIT_NOTICE_SECONDS)
+        except KeyboardInterrupt:
+            left = self._abandon()
+            sys.stderr.write(f"hostcallback: exit without the {left} queued tap record(s) "
+                             "(Ctrl-C)\n")
             return
-        undelivered = self.stop(timeout=timeout)
         self._run_flush_hooks(deadline)
         self._failure_log.flush()
         if undelivered:
@@ -298,6 +311,25 @@ class ReceiverPool:
         if self._failure_count:
             logger.error("hostcallback: %d tap consumer(s) raised and no barrier_wait reported it",
                          self._failure_count)
+
+    def _abandon(self) -> int:
+        """Stops the receivers without delivering the rest; returns how many records were left."""
+        self._abandoned = True
+        left = self.undelivered()
+        outfeed.set_closed(True)
+        self._stopping.set()
+        for thread in self._threads.values():
+            try:
+                thread.join(_ABANDON_JOIN_SECONDS)
+            except KeyboardInterrupt:  # one more Ctrl-C: leave at once
+                break
+        self._stopped = True
+        return left
+
+    def _say_what_exit_waits_for(self) -> None:
+        sys.stderr.write(f"hostcallback: delivering {self.undelivered()} queued tap record(s) "
+                         "before exit; press Ctrl-C to leave without them\n")
+        sys.stderr.flush()
 
     # ---- the receiver threads ----
 
@@ -320,7 +352,7 @@ class ReceiverPool:
                     self._record_failure("receiver", "drain()", device, error)
                     time.sleep(_DRAIN_RETRY_SECONDS)
                     continue
-                if batch:
+                if batch and not self._abandoned:
                     self._deliver(key, device, batch)
                 if markers or batch:
                     with self._lock:
@@ -416,7 +448,7 @@ class ReceiverPool:
             outfeed.respond_error(ordinal, sequence,
                                   f"hostcallback call consumer {consumer_name} failed: "
                                   f"{type(error).__name__}: {error}", platform=platform)
-        if isinstance(error, KeyboardInterrupt):
+        if isinstance(error, KeyboardInterrupt) and not self._exiting:
             _thread.interrupt_main()  # the user pressed Ctrl-C: the main thread must see it
         self._record_failure("call" if is_call else "tap consumer", consumer_name, device,
                              error, report_at_barrier=not is_call
@@ -426,7 +458,7 @@ class ReceiverPool:
     # ---- barrier ----
 
     def barrier_wait(self, logging_name: str | None = None, timeout: float | None = None,
-                     raise_errors: bool = True) -> None:
+                     raise_errors: bool = True, notice_after: float | None = None) -> None:
         if getattr(self._local, "is_receiver", False):
             raise RuntimeError(
                 "barrier_wait() was called from inside a tap consumer; it would wait for itself. "
@@ -439,7 +471,7 @@ class ReceiverPool:
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.started:
             self._raise_if_dead()
-            self._wait_for_markers(logging_name, timeout)
+            self._wait_for_markers(logging_name, timeout, notice_after)
         self._run_flush_hooks(deadline)
         self._failure_log.flush(force=False)
         if raise_errors:
@@ -471,7 +503,8 @@ class ReceiverPool:
         if self._dead:
             raise CallbackException("; ".join(self._dead.values()))
 
-    def _wait_for_markers(self, logging_name: str | None, timeout: float | None) -> None:
+    def _wait_for_markers(self, logging_name: str | None, timeout: float | None,
+                          notice_after: float | None = None) -> None:
         with self._lock:
             marker = 2 * next(self._next_marker)
         grouped = self._platform_groups()
@@ -479,7 +512,8 @@ class ReceiverPool:
                     for key in self._devices}
         if logging_name:
             logger.debug("hostcallback: barrier %s (marker %d) starts", logging_name, marker)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
         send_errors: list[BaseException] = []
         sent = None
         if timeout is None:
@@ -514,7 +548,17 @@ class ReceiverPool:
                             f"barrier_wait{f' ({logging_name})' if logging_name else ''} timed "
                             f"out after {timeout} s; records still to be handled per device: "
                             f"{pending}. A consumer may be slow or stuck.")
-                    self._marker_seen.wait(remaining if remaining is not None else _POLL_SECONDS)
+                    if notice_after is not None and time.monotonic() - started >= notice_after:
+                        notice_after = None
+                        self._lock.release()  # undelivered() takes it
+                        try:
+                            self._say_what_exit_waits_for()
+                        finally:
+                            self._lock.acquire()
+                    wait = remaining if remaining is not None else _POLL_SECONDS
+                    if notice_after is not None:  # wake in time to say it
+                        wait = min(wait, _POLL_SECONDS)
+                    self._marker_seen.wait(wait)
             finally:
                 for seen in self._markers.values():
                     seen.difference_update({marker, marker + 1})

@@ -100,7 +100,10 @@ def test_a_kept_consumer_failure_does_not_keep_its_records_alive(transport):
 
 def test_a_keyboard_interrupt_in_a_consumer_reaches_the_main_thread():
     result = run_python("""
-        import time
+        import signal, time
+        # A run started as a background job (nohup, many CI runners) inherits SIGINT ignored, and
+        # then Python installs no handler: what Ctrl-C would do is set up here.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         import jax
         import hostcallback as hcb
         seen = []

@@ -18,7 +18,16 @@ CALL_TARGET = "hostcallback_call"
 CHECK_TARGET = "hostcallback_check"
 
 for _name, _capsule in outfeed.registrations().items():
-    jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+    try:
+        jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+    except Exception as error:  # noqa: BLE001 - jaxlib's own error type differs by version
+        raise ImportError(
+            f"hostcallback's C++ core cannot be registered with this jaxlib ({jax.__version__}): "
+            f"{error}. The core was built against another JAX's FFI headers (a core built with "
+            "an older JAX works with newer ones, not the other way round): rebuild it against "
+            "this one with `pip install --force-reinstall --no-deps --no-build-isolation .` from "
+            "hostcallback's source, or `pip install --no-binary hostcallback hostcallback`.") \
+            from error
 
 _lower_tap = jax.ffi.ffi_lowering(TAP_TARGET, has_side_effect=True)
 _lower_call = jax.ffi.ffi_lowering(CALL_TARGET, has_side_effect=True)

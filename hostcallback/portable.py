@@ -78,6 +78,9 @@ def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
 
 
 def _call(leaves, consumer_id, transport_name, result_avals, timeout_s, flavor, vmap_method):
+    if vmap_method not in (None, "sequential", "sequential_unrolled"):
+        # The host would see the batch, and answer for it, without the consumer knowing.
+        _refuse(f"vmap_method={vmap_method!r} (only 'sequential' and 'sequential_unrolled')")
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in result_avals]
     if _native_here(transport_name):
         outs = jax.ffi.ffi_call(CALL_TARGET, shapes, has_side_effect=flavor != _PURE,
@@ -98,8 +101,6 @@ def _call(leaves, consumer_id, transport_name, result_avals, timeout_s, flavor, 
         outs = jax.pure_callback(call_on_host, tuple(shapes), *leaves,
                                  vmap_method=vmap_method)
     else:
-        if vmap_method not in (None, "sequential"):
-            _refuse(f"vmap_method={vmap_method!r} for a call on the callback transport")
         outs = io_callback(call_on_host, tuple(shapes), *leaves)
     return list(outs)
 

@@ -113,6 +113,19 @@ def _without_locals(error: BaseException) -> BaseException:
     return error
 
 
+def describe_error(error: BaseException) -> str:
+    """``Type: message``, and never an exception: a user's exception whose ``__str__`` fails (it
+    formats an attribute it never set) is described by its type and why it could not say more."""
+    name = getattr(type(error), "__name__", "exception")
+    try:
+        return f"{name}: {error}"
+    except BaseException as why:  # noqa: BLE001 - this is the error path; it must not fail
+        try:
+            return f"{name} (its message could not be formatted: {type(why).__name__})"
+        except BaseException:  # noqa: BLE001
+            return name
+
+
 class _Failure:
     __slots__ = ("consumer_name", "device", "error")
 
@@ -120,7 +133,7 @@ class _Failure:
         self.consumer_name, self.device, self.error = consumer_name, device, error
 
     def describe(self) -> str:
-        return f"{self.consumer_name} on {self.device}: {type(self.error).__name__}: {self.error}"
+        return f"{self.consumer_name} on {self.device}: {describe_error(self.error)}"
 
 
 class FailureLog:
@@ -163,8 +176,8 @@ class FailureLog:
                 self._pending[key][0] = 0
                 self._pending[key][2] = now
         for (what, name, _), count, error in due:
-            self._log.error("hostcallback: %s %s raised %d more time(s); latest: %s: %s",
-                            what, name, count, type(error).__name__, error)
+            self._log.error("hostcallback: %s %s raised %d more time(s); latest: %s",
+                            what, name, count, describe_error(error))
 
 
 class _Dispatcher:
@@ -379,14 +392,18 @@ class ReceiverPool:
 
     def _record_failure(self, what: str, name: str, device: Any, error: BaseException,
                         report_at_barrier: bool = True, consumer_id: int | None = None) -> None:
-        self._failure_log.failed(what, name, device, error, consumer_id)
-        if not report_at_barrier:
-            return
-        failure = _Failure(name, device, error)
-        with self._lock:
-            self._failure_count += 1
-            self._first_failure = self._first_failure or failure
-            self._last_failure = failure
+        """Keeps the failure for the next barrier, then logs it; a logging handler that raises
+        loses the log line, never the failure or the receiver."""
+        if report_at_barrier:
+            failure = _Failure(name, device, error)
+            with self._lock:
+                self._failure_count += 1
+                self._first_failure = self._first_failure or failure
+                self._last_failure = failure
+        try:
+            self._failure_log.failed(what, name, device, error, consumer_id)
+        except Exception:  # noqa: BLE001 - a user's logging handler; nothing else to tell
+            pass
 
     def _deliver(self, key: QueueKey, device: Any, batch: list) -> None:
         """Calls the consumer of each record of a batch, in order. The per-record path is a
@@ -447,7 +464,7 @@ class ReceiverPool:
             # That is where the failure is reported, once: not again at the next barrier.
             outfeed.respond_error(ordinal, sequence,
                                   f"hostcallback call consumer {consumer_name} failed: "
-                                  f"{type(error).__name__}: {error}", platform=platform)
+                                  f"{describe_error(error)}", platform=platform)
         if isinstance(error, KeyboardInterrupt) and not self._exiting:
             _thread.interrupt_main()  # the user pressed Ctrl-C: the main thread must see it
         self._record_failure("call" if is_call else "tap consumer", consumer_name, device,
@@ -621,11 +638,15 @@ class ReceiverPool:
                         len(devices)))
             self._marker_computations[transport_name] = (jax.jit(tap_marker), all_devices_markers)
         single_device_marker, all_devices_markers = self._marker_computations[transport_name]
-        for device in self._devices.values():
-            single_device_marker(jax.device_put(np.uint64(marker), device))
+        outs = [single_device_marker(jax.device_put(np.uint64(marker), device))
+                for device in self._devices.values()]
         for computation, sharding, count in all_devices_markers:
             markers = np.full(count, marker + 1, dtype=np.uint64)
-            computation(jax.device_put(markers, sharding))
+            outs.append(computation(jax.device_put(markers, sharding)))
+        # A marker arrives before its computation has finished (on the callback transport, before
+        # XLA's thread has left our callback and Python): the barrier ends only once they have,
+        # so that exit never lets finalization begin with one of them still inside Python.
+        jax.block_until_ready(outs)
 
     def _raise_failures(self) -> None:
         with self._lock:

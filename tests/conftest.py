@@ -20,14 +20,17 @@ TRANSPORTS = ("native", "callback")
 
 def pytest_collection_modifyitems(config, items):
     """In the portable mode, tests marked ``needs_internals("what")`` are skipped, saying what
-    that mode lacks; everything else runs."""
+    that mode lacks; keywords narrow it to some parameters (``transport="callback"``,
+    ``ordered=True``: only the runs with those). Everything else runs."""
     if not _jax.PORTABLE:
         return
     for item in items:
-        marker = item.get_closest_marker("needs_internals")
-        if marker is not None:
-            item.add_marker(pytest.mark.skip(
-                reason=f"the portable mode ({_jax.PORTABLE_REASON}) lacks {marker.args[0]}"))
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        for marker in item.iter_markers("needs_internals"):
+            if all(params.get(name) == value for name, value in marker.kwargs.items()):
+                item.add_marker(pytest.mark.skip(
+                    reason=f"the portable mode ({_jax.PORTABLE_REASON}) lacks {marker.args[0]}"))
+                break
 
 
 @pytest.fixture(params=TRANSPORTS)

@@ -43,6 +43,7 @@ def test_every_record_arrives_once_in_program_order(transport):
     assert all(length == len(batch[1]) for *batch, length in tap.batches)
 
 
+@pytest.mark.needs_internals("the device of callback-transport records", transport="callback")
 def test_a_batch_names_its_device(transport):
     tap = BatchTap()
     jax.pmap(lambda x: hcb.id_tap(tap, x * 2))(jnp.arange(4.0))
@@ -86,6 +87,7 @@ def test_an_object_that_answers_every_attribute_is_called_per_record(transport):
     tap.tap_batch.assert_not_called()
 
 
+@pytest.mark.needs_internals("program order inside a computation")
 def test_taps_of_two_sites_interleaved_keep_their_order_across_sites(transport):
     order = []
     lock = threading.Lock()
@@ -111,6 +113,7 @@ def test_taps_of_two_sites_interleaved_keep_their_order_across_sites(transport):
     assert order == [(name, i) for i in range(300) for name in ("a", "b")]
 
 
+@pytest.mark.needs_internals("transforms in tap functions")
 def test_a_batch_gets_the_transforms_of_its_records(transport):
     tap = BatchTap()
     jax.vmap(lambda x: hcb.id_tap(tap, x))(jnp.arange(3.0))

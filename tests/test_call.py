@@ -75,6 +75,7 @@ def test_calls_in_loops_and_branches(transport):
     assert f(jnp.float32(1)) == 6 and f(jnp.float32(-1)) == -1
 
 
+@pytest.mark.needs_internals("the device of callback-transport records", transport="callback")
 def test_pmap_calls_on_each_device_with_its_slice_and_device(transport):
     f = jax.pmap(lambda x: hcb.call(lambda v, device: np.asarray(v) * 10 + device.id, x,
                                     result_shape=x, call_with_device=True))
@@ -139,11 +140,13 @@ def test_a_bad_result_shape_is_a_value_error_at_trace_time(result_shape, message
         hcb.call(lambda v: v, 1.0, result_shape=result_shape)
 
 
+@pytest.mark.needs_internals("hostcallback's own message for grad of a call (JAX's is given)")
 def test_grad_through_call_points_to_custom_vjp():
     with pytest.raises(TypeError, match="custom_vjp"):
         jax.grad(lambda x: hcb.call(lambda v: v, x, result_shape=x))(1.0)
 
 
+@pytest.mark.needs_internals("calls in a jit over a sharded mesh")
 def test_a_call_in_a_sharded_jit_runs_once_on_the_device_at_device_index(transport):
     mesh = jax.make_mesh((4,), ("i",))
     x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
@@ -162,6 +165,7 @@ def test_a_call_in_a_sharded_jit_runs_once_on_the_device_at_device_index(transpo
     assert calls[0][1] == mesh.devices.flat[2]
 
 
+@pytest.mark.needs_internals("calls in a jit over a sharded mesh")
 def test_a_sharded_jit_call_hands_every_device_the_exact_bits(transport):
     mesh = jax.make_mesh((4,), ("i",))
     answers = (np.array([-0.0, np.nan, 1.5], np.float32), np.array([True, False]),
@@ -176,6 +180,7 @@ def test_a_sharded_jit_call_hands_every_device_the_exact_bits(transport):
                                           answer.view(np.uint8))
 
 
+@pytest.mark.needs_internals("calls in a jit over a sharded mesh")
 def test_device_index_out_of_range_is_a_clear_error(transport):
     mesh = jax.make_mesh((4,), ("i",))
     x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))

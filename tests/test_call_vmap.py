@@ -33,6 +33,7 @@ def _vmapped_add(vmap_method, seen, x, y):
     ("sequential", [((), ())] * 4),
     ("sequential_unrolled", [((), ())] * 4),
 ])
+@pytest.mark.needs_internals("vmap methods of calls other than sequential")
 def test_each_vmap_method_gives_the_host_the_shapes_of_the_reference(transport, vmap_method,
                                                                      expected_shapes):
     seen = []
@@ -63,6 +64,7 @@ def test_sequential_calls_the_host_once_per_element_in_order(transport):
     assert seen == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.needs_internals("vmap methods of calls other than sequential")
 def test_the_batch_axis_moves_to_the_front_for_the_host(transport):
     seen = []
 
@@ -80,6 +82,7 @@ def test_the_batch_axis_moves_to_the_front_for_the_host(transport):
 
 
 @pytest.mark.parametrize("vmap_method", ["expand_dims", "sequential"])
+@pytest.mark.needs_internals("vmap methods of calls other than sequential")
 def test_nested_vmap_of_call(transport, vmap_method):
     f = lambda x: hcb.call(lambda v: np.asarray(v) + 1, x, result_shape=x,
                            vmap_method=vmap_method)
@@ -87,6 +90,7 @@ def test_nested_vmap_of_call(transport, vmap_method):
     np.testing.assert_array_equal(jax.jit(jax.vmap(jax.vmap(f)))(x), x + 1)
 
 
+@pytest.mark.needs_internals("vmap methods of calls other than sequential")
 def test_a_host_that_ignores_the_batch_gets_a_clear_error(transport):
     f = jax.vmap(lambda x: hcb.call(lambda v: np.float32(0), x,
                                     result_shape=jax.ShapeDtypeStruct((), jnp.float32),
@@ -97,6 +101,7 @@ def test_a_host_that_ignores_the_batch_gets_a_clear_error(transport):
     hcb.barrier_wait()  # the computation's error was the report
 
 
+@pytest.mark.needs_internals("vmap methods of calls other than sequential")
 def test_pure_callback_under_vmap_matches_jax_pure_callback(transport):
     def fun(x, y, *, vmap_method, implementation):
         out = jax.ShapeDtypeStruct(jnp.broadcast_shapes(jnp.shape(x), jnp.shape(y)),

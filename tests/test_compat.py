@@ -103,7 +103,8 @@ def test_the_portable_mode_can_be_forced_and_taps_and_calls_work(transport):
 
 def test_a_jax_without_a_private_piece_falls_back_to_the_portable_mode_and_says_so_once():
     result = run_python(PORTABLE_PROGRAM.format(
-        before="sys.modules['hostcallback._jax.private'] = None  # as if it failed to import"))
+        before="sys.modules['hostcallback._jax.private'] = None  # as if it failed to import"),
+        env={"HOSTCALLBACK_PORTABLE": "0"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:6] == ["[1, 3, 5]", "11", "[[0, 2, 4]]", "True", "1", "[]"]
 

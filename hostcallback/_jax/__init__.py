@@ -42,8 +42,8 @@ from jax.interpreters import ad, batching, mlir  # noqa: E402  (rule tables for 
 # What the portable mode lacks, in one line (the "Compatibility" document says more).
 PORTABLE_LACKS = ("transforms in tap functions (vmap taps once per batch element), program order "
                   "inside a computation, ordered=True, taps and calls in jit over a sharded mesh "
-                  "(use shard_map), partitioned=True, replays=, and the device of callback-"
-                  "transport taps")
+                  "(use shard_map), partitioned=True, replays=, vmap methods of calls other than "
+                  "sequential, and the device of callback-transport records")
 
 
 def _portable_requested() -> bool:

@@ -2,7 +2,9 @@
 // after, unless the interpreter has begun to finalize. CPython ends a thread other than the one
 // finalizing (the main thread) that takes the GIL back then with pthread_exit, and that forced
 // unwind through a noexcept frame (a destructor, nanobind's dispatcher) aborts the process. Such a
-// thread parks instead: the process is ending, and a parked thread holds no lock of ours.
+// thread parks instead: the process is ending, and a parked thread holds no lock of ours. The
+// check cannot cover a thread already waiting for the GIL when finalization begins: exit makes
+// sure no computation of ours is still running then (the barrier waits for its markers' ends).
 #ifndef HOSTCALLBACK_NATIVE_GIL_H_
 #define HOSTCALLBACK_NATIVE_GIL_H_
 

@@ -83,6 +83,7 @@ FAILED_CALL_IN_A_SHARDED_JIT = """
 
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("transport", ["native", "callback"])
+@pytest.mark.needs_internals("calls in a jit over a sharded mesh")
 def test_a_failed_call_in_a_sharded_jit_exits_without_abort(transport):
     for _ in range(RUNS):
         result = run_python(FAILED_CALL_IN_A_SHARDED_JIT,

@@ -4,10 +4,13 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import hostcallback as hcb
 
 
+@pytest.mark.needs_internals("the device of callback-transport records, which this test's "
+                             "per-device order needs", transport="callback")
 def test_eight_dispatching_threads_and_concurrent_barriers(transport, collector):
     tap_single = jax.jit(lambda x: hcb.id_tap(collector, x))
     tap_all = jax.pmap(lambda x: hcb.id_tap(collector, x))

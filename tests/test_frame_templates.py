@@ -1,6 +1,7 @@
 """Frames put together in C++ for a batch (consumer.frame_templates) are byte for byte the
 general encoder's, or are not used."""
 
+import ast
 import dataclasses
 import io
 import os
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import run_python
 from jax import lax, tree_util
 
 import hostcallback as hcb
@@ -265,3 +267,30 @@ def test_a_rotating_file_sink_rotates_frame_by_frame_under_batches(tmp_path):
     files = stream_files(tmp_path / "s.hcbs")
     assert len(files) > 5 and all(os.path.getsize(f) <= 20_000 for f in files)
     assert [r.step for r in read_stream(tmp_path / "s.hcbs")] == list(range(2000))
+
+
+def test_a_records_list_shortened_while_large_frames_are_filled_is_refused_not_read_past():
+    """Large frames are filled without the GIL; another thread may shorten the list meanwhile."""
+    result = run_python("""
+        import threading
+        import numpy as np
+        from hostcallback._native import outfeed
+        big = np.zeros(1 << 17, np.uint8)  # over the size above which the GIL is released
+        spec = ([np.uint8], [[1 << 17]])
+        outcomes = set()
+        for _ in range(200):
+            records = [(1, 0, i, 0, (big,)) for i in range(64)]
+            shrink = threading.Thread(target=lambda: [records.pop() for _ in range(64)])
+            shrink.start()
+            try:
+                outfeed.frame_records(records, 0, 64, [b""] * 5, *spec, -1, "i", 8)
+                outcomes.add("framed")
+            except ValueError as error:
+                outcomes.add(str(error))
+            shrink.join()
+        print(sorted(outcomes - {"framed"}))
+        """, devices=1)
+    assert result.returncode == 0, result.stderr[-2000:]
+    refusals = set(ast.literal_eval(result.stdout))  # framed whole, or refused before or while
+    assert refusals <= {"records was shortened while it was being framed",
+                        "start:stop is outside records"}

@@ -161,7 +161,9 @@ std::vector<LeafSpec> LeafSpecs(const std::vector<nb::object>& dtypes,
     for (int64_t dim : shapes[i]) {
       if (dim < 0) throw nb::value_error("a negative dimension");
       specs[i].shape.push_back(static_cast<npy_intp>(dim));
-      bytes *= static_cast<size_t>(dim);
+      if (__builtin_mul_overflow(bytes, static_cast<size_t>(dim), &bytes)) {
+        throw nb::value_error("a leaf's shape has more bytes than fit in 64 bits");
+      }
     }
     specs[i].bytes = bytes;
   }
@@ -225,7 +227,12 @@ nb::list FrameRecords(nb::list records, size_t start, size_t stop,
   std::vector<const uint8_t*> data(leaves);
   std::vector<nb::object> held(leaves);
   for (size_t r = start; r < stop; ++r) {
-    PyObject* record = PyList_GET_ITEM(records.ptr(), r);
+    // Another thread may have shrunk the list while the GIL was released for the last frame.
+    if (r >= static_cast<size_t>(PyList_GET_SIZE(records.ptr()))) {
+      throw nb::value_error("records was shortened while it was being framed");
+    }
+    nb::object held_record = nb::borrow(PyList_GET_ITEM(records.ptr(), r));
+    PyObject* record = held_record.ptr();
     if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != 5 ||
         !PyTuple_Check(PyTuple_GET_ITEM(record, 4)) ||
         static_cast<size_t>(PyTuple_GET_SIZE(PyTuple_GET_ITEM(record, 4))) != leaves) {

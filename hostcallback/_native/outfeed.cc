@@ -1240,6 +1240,16 @@ int64_t ElementCount(const int64_t* dims, size_t ndim) {
   return count;
 }
 
+// count elements of itemsize bytes each, or -1 when that does not fit in 64 bits (a shape of
+// 2^62 elements of 4 bytes must not wrap around to 0 bytes).
+int64_t ByteCount(int64_t count, size_t itemsize) {
+  int64_t bytes = 0;
+  if (count < 0 || __builtin_mul_overflow(count, static_cast<int64_t>(itemsize), &bytes)) {
+    return -1;
+  }
+  return bytes;
+}
+
 template <typename T>
 T Get(const uint8_t* at) {
   T value;
@@ -1294,8 +1304,8 @@ nb::tuple ArraysOf(const Record& r, PyObject* owner) {
     }
     PyArray_Descr* descr = g_dtypes[code];
     if (descr == nullptr) throw std::runtime_error("record with an unknown dtype code");
-    const int64_t count = ElementCount(shape, ndim);
-    if (count < 0 || static_cast<uint64_t>(count) * PyDataType_ELSIZE(descr) != byte_size) {
+    const int64_t bytes = ByteCount(ElementCount(shape, ndim), PyDataType_ELSIZE(descr));
+    if (bytes < 0 || static_cast<uint64_t>(bytes) != byte_size) {
       throw std::runtime_error("corrupt record: an array's shape does not match its bytes");
     }
     Py_INCREF(descr);  // stolen by PyArray_NewFromDescr
@@ -1404,9 +1414,9 @@ std::vector<ArrayView> ViewsOf(const HostLeaves& leaves) {
       throw nb::value_error(("unknown wire dtype code " + std::to_string(dtype)).c_str());
     }
     if (dims.size() > UINT16_MAX) throw nb::value_error("an array of more than 65535 dimensions");
-    const int64_t count = ElementCount(dims.data(), dims.size());
-    if (count < 0 || static_cast<uint64_t>(count) * PyDataType_ELSIZE(g_dtypes[dtype]) !=
-                         bytes.size()) {
+    const int64_t byte_count =
+        ByteCount(ElementCount(dims.data(), dims.size()), PyDataType_ELSIZE(g_dtypes[dtype]));
+    if (byte_count < 0 || static_cast<uint64_t>(byte_count) != bytes.size()) {
       throw nb::value_error("an array's bytes do not match its shape and dtype");
     }
     arrays.push_back(ArrayView{static_cast<uint8_t>(dtype), dims.data(), dims.size(),

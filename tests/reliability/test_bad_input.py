@@ -3,11 +3,14 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hostcallback as hcb
 from consumer import StreamFormatError, StreamReader, TapRecord, stream
+from hostcallback import wire
+from hostcallback._native import outfeed
 
 
 def test_a_tap_of_a_donated_buffer_sees_the_value_before_donation(transport, collector):
@@ -38,3 +41,10 @@ def test_mutated_streams_give_records_or_a_clear_error(byte, data):
         StreamReader(max_buffer_size=1 << 16).feed(bytes(good))
     except StreamFormatError:
         pass
+
+
+def test_a_host_leaf_whose_shape_overflows_its_byte_count_is_refused():
+    """2^62 float32 elements are 2^64 bytes: the count must not wrap around to 0 bytes."""
+    float32 = wire.dtype_code(np.dtype(np.float32))
+    with pytest.raises(ValueError, match="bytes do not match its shape"):
+        outfeed.enqueue(0, 5, [(float32, [2**62], np.zeros(0, np.uint8))])

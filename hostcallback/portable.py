@@ -68,6 +68,8 @@ def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
     if result_avals is not None:
         return _call(leaves, consumer_id, transport, result_avals, timeout_s, flavor,
                      vmap_method)
+    if flavor == _PURE:  # it would have to return its operands through the handler to be dropped
+        _refuse("callback_flavor=PURE for a tap")
     stopped = [jax.lax.stop_gradient(leaf) for leaf in leaves]
     if _native_here(transport):
         jax.ffi.ffi_call(TAP_TARGET, (), has_side_effect=True, vmap_method="sequential")(

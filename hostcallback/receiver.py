@@ -37,6 +37,7 @@ import numpy as np
 
 from hostcallback import _jax as jx
 from hostcallback import batches, config, results, wire
+from hostcallback.errors import describe_error
 from hostcallback._native import outfeed
 from hostcallback.record_context import (
     RecordContext,  # noqa: F401 - its old home
@@ -66,6 +67,7 @@ _DRAIN_RETRY_SECONDS = 0.05
 _BARRIER_SHARE = 0.8  # of stop()'s (and so of exit's) one deadline
 _EXIT_NOTICE_SECONDS = 1.0  # exit says what it waits for once it has waited this long
 _ABANDON_JOIN_SECONDS = 1.0  # after a second Ctrl-C, how long exit waits for each receiver
+_FENCE_BIT = 1 << 63  # marks the markers of the portable barrier's fences (never waited for)
 
 QueueKey = tuple  # (platform, device id): how the C++ core names a device's queue
 
@@ -111,19 +113,6 @@ def _without_locals(error: BaseException) -> BaseException:
         error.__traceback__ = traceback_.tb_next
         traceback.clear_frames(error.__traceback__)
     return error
-
-
-def describe_error(error: BaseException) -> str:
-    """``Type: message``, and never an exception: a user's exception whose ``__str__`` fails (it
-    formats an attribute it never set) is described by its type and why it could not say more."""
-    name = getattr(type(error), "__name__", "exception")
-    try:
-        return f"{name}: {error}"
-    except BaseException as why:  # noqa: BLE001 - this is the error path; it must not fail
-        try:
-            return f"{name} (its message could not be formatted: {type(why).__name__})"
-        except BaseException:  # noqa: BLE001
-            return name
 
 
 class _Failure:
@@ -232,6 +221,7 @@ class ReceiverPool:
         self._next_marker = itertools.count(1)
         self._stopping = threading.Event()
         self._stopped = False
+        self._all_started = False  # every receiver is in place (ensure_started's fast path)
         self._exiting = False  # interpreter exit has begun: Ctrl-C in a consumer interrupts no one
         self._abandoned = False  # exit was told to leave the queued records (a second Ctrl-C)
         self._local = threading.local()
@@ -242,8 +232,9 @@ class ReceiverPool:
     # ---- lifecycle ----
 
     def ensure_started(self) -> None:
-        """Starts one receiver per local device, once; refuses after stop_outfeed_receiver()."""
-        if self._threads and not self._stopped:
+        """Starts one receiver per local device, once; refuses after stop_outfeed_receiver().
+        The lock-free fast path is taken only once every receiver is in place."""
+        if self._all_started and not self._stopped:
             return
         with self._lock:
             if self._stopped:
@@ -266,6 +257,7 @@ class ReceiverPool:
                 thread.start()
             self._dispatcher.start()
             atexit.register(self._at_exit)
+            self._all_started = True
 
     @property
     def started(self) -> bool:
@@ -363,6 +355,8 @@ class ReceiverPool:
                 except Exception as error:  # noqa: BLE001 - e.g. MemoryError; records not yet
                     # taken stay queued, a batch already taken is lost (the barrier says why)
                     self._record_failure("receiver", "drain()", device, error)
+                    if self._stopping.is_set():  # stop() joins us: a failing drain ends here
+                        return
                     time.sleep(_DRAIN_RETRY_SECONDS)
                     continue
                 if batch and not self._abandoned:
@@ -578,7 +572,8 @@ class ReceiverPool:
                     self._marker_seen.wait(wait)
             finally:
                 for seen in self._markers.values():
-                    seen.difference_update({marker, marker + 1})
+                    seen.difference_update({marker, marker + 1, marker | _FENCE_BIT,
+                                            (marker + 1) | _FENCE_BIT})
         if sent is not None:
             # Its markers arrived, so its dispatches are done: let it return before we do (a
             # thread still inside jaxlib when the interpreter exits aborts the process).
@@ -608,7 +603,13 @@ class ReceiverPool:
         dispatched so far finish (their taps are then queued), a marker enqueued from the host
         comes after all of them, on every device (``marker + 1`` too where a barrier expects
         two)."""
-        jax.effects_barrier()
+        try:
+            jax.effects_barrier()
+        except Exception:  # noqa: BLE001 - a computation failed (its caller was told); JAX
+            # raises that again at every later effects barrier without waiting for the rest,
+            # so marker computations on every device wait for what was dispatched before.
+            with jx.outside_user_mesh():
+                self._send_markers_outside_user_mesh(marker | _FENCE_BIT)
         grouped = self._platform_groups()
         for (platform, ordinal) in self._devices:
             values = [marker, marker + 1] if len(grouped[platform]) > 1 else [marker]

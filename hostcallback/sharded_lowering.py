@@ -22,6 +22,7 @@ from jax.experimental.custom_partitioning import SdyShardingRule, custom_partiti
 
 from hostcallback import _jax as jx
 from hostcallback._jax import ir, mlir
+from hostcallback.flavors import CallbackFlavor
 from hostcallback.registry import registry
 
 ALL_DEVICES = -1  # emit_device: each device that runs the tap enqueues
@@ -89,16 +90,17 @@ def lower_on_one_device(ctx, args, *, device_index, **params):
         return [*checked, checked_flag]
 
     replicated = jax.sharding.PartitionSpec()
-    region = jax.shard_map(tap_on_every_device, mesh=mesh, in_specs=replicated,
-                           out_specs=replicated, check_vma=False)
     # The avals may carry the outer computation's sharding; inside the region they are whole.
     is_call = params["result_avals"] is not None
     region_ctx = dataclasses.replace(
         ctx, avals_in=_plain(ctx.avals_in),
         avals_out=_plain(ctx.avals_out) + ([_FAILURE_FLAG] if is_call else []))
     # JAX refuses a shard_map whose mesh differs from the user's context mesh (jax.set_mesh,
-    # use_mesh): the region is built as if none were set; the user's is back once it is built.
+    # use_mesh; JAX 0.8.0 checks when the shard_map is made, later ones when it is traced): the
+    # region is made and built as if none were set; the user's is back once it is built.
     with jx.outside_abstract_mesh():
+        region = jax.shard_map(tap_on_every_device, mesh=mesh, in_specs=replicated,
+                               out_specs=replicated, check_vma=False)
         outs = mlir.lower_fun(region, multiple_results=True)(region_ctx, *args)
     if region_ctx.tokens_out is not None:
         ctx.set_tokens_out(region_ctx.tokens_out)
@@ -187,7 +189,10 @@ def lower_partitioned(ctx, args, *, consumer_id, **params):
         shard_id = registry.register(shard_consumer)
 
         def tap_own_shard(*xs):
-            return tuple(outside_call_p.bind(*xs, consumer_id=shard_id, **params))
+            # Without an effect: the per-shard module XLA builds has no program-order token to
+            # thread (JAX 0.8 would look for one), and its outputs are the op's, so it stays.
+            return tuple(outside_call_p.bind(*xs, consumer_id=shard_id,
+                                             **dict(params, flavor=CallbackFlavor.PURE.value)))
 
         return mesh, tap_own_shard, shardings, shardings
 

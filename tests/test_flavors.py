@@ -51,6 +51,7 @@ def test_a_used_pure_call_runs(transport):
     assert len(calls) == 1
 
 
+@pytest.mark.needs_internals("PURE taps")
 def test_an_unused_pure_tap_inside_a_branch_is_dropped_with_it(transport, collector):
     def f(x):
         jax.lax.cond(x > 0, lambda: hcb.id_tap(collector, x, callback_flavor=CallbackFlavor.PURE),

@@ -5,6 +5,7 @@ import io
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import hostcallback as hcb
 from hostcallback import printing
@@ -36,6 +37,7 @@ def test_prints_the_device_when_asked(transport):
     assert out.getvalue() == f"device: {jax.devices()[0]}\n4\n"
 
 
+@pytest.mark.needs_internals("transforms in tap functions")
 def test_prints_transforms_when_there_are_some(transport):
     out = io.StringIO()
     jax.vmap(lambda x: hcb.id_print(x, output_stream=out))(jnp.arange(2))

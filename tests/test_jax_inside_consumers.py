@@ -71,6 +71,8 @@ def _last_json(process) -> dict:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.needs_internals("calls in a jit over a sharded mesh", scenario="sharded_jit",
+                             transport="native")
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("scenario,devices", [("one_device", 1), ("pmap", 4), ("sharded_jit", 4)])
 def test_small_jax_on_the_waiting_device_completes_with_a_call_pending_and_a_full_queue(
@@ -159,6 +161,7 @@ print(json.dumps({{"sum": float(out.sum())}}))
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.needs_internals("calls in a jit over a sharded mesh")
 @pytest.mark.xfail(strict=True, raises=subprocess.TimeoutExpired,
                    reason="XLA's CPU client does not run this computation while a computation "
                           "over several devices waits for the host (docs/architecture.md, JAX "

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 
 import hostcallback as hcb
-from hostcallback import printing
+from hostcallback import _jax, printing
 
 # ---- pure_callback and call: the result dtypes legacy and JAX accept -----------------------
 
 
+@pytest.mark.needs_internals("vmap methods of calls other than sequential")
 @pytest.mark.parametrize("vmap_method", ["expand_dims", "broadcast_all"])
 def test_pure_callback_reference_vmap_example_casts_numpy_float64_to_the_declared_float32(
         transport, vmap_method):
@@ -104,6 +105,7 @@ def test_transforms_without_parameters_print_as_their_bare_name():
         "transforms: ['jvp', 'transpose', ('batch', {'batch_dims': (0,)})]")
 
 
+@pytest.mark.needs_internals("taps of tangents or cotangents")
 def test_id_print_on_cotangents_prints_transpose_as_legacy(transport):
     out = io.StringIO()
 
@@ -222,7 +224,9 @@ def test_an_eager_tap_on_a_python_number_compiles_one_computation_and_keeps_weak
         transport, collector):
     hcb.barrier_wait()
     out, compilations = _count_compilations(lambda: hcb.id_tap(collector, 2.5))
-    assert compilations == 1
+    # The portable mode's callback transport taps eagerly through jax.debug.callback, which
+    # runs on the host at once and compiles nothing.
+    assert compilations == (0 if _jax.PORTABLE and transport == "callback" else 1)
     assert out.dtype == jnp.float32 and out.weak_type
     hcb.barrier_wait()
     assert collector.values == [2.5]
@@ -257,6 +261,7 @@ def test_a_tapped_key_is_returned_as_a_key_the_computation_can_use(transport, co
     assert str(jax.random.key_impl(collector.values[0])) == "rbg"
 
 
+@pytest.mark.needs_internals("transforms in tap functions (vmap taps once per batch element)")
 def test_a_batch_of_keys_under_vmap_arrives_as_a_batch_of_keys(transport, collector):
     keys = jax.random.split(jax.random.key(0), 3)
     jax.vmap(lambda k: hcb.id_tap(collector, k))(keys)
@@ -279,6 +284,8 @@ def test_a_call_receives_a_key_argument_as_a_key(transport):
 # ---- jax.export ----------------------------------------------------------------------------
 
 
+@pytest.mark.needs_internals("hostcallback's own message for jax.export of a tap or call "
+                             "(JAX's is given)")
 @pytest.mark.parametrize("tapped", ["tap", "call"])
 def test_exporting_a_function_with_a_tap_or_call_is_a_clear_error(transport, tapped):
     def f(x):

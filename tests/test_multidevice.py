@@ -20,6 +20,8 @@ def test_there_are_four_devices():
     assert jax.device_count() == 4
 
 
+@pytest.mark.needs_internals("ordered=True", ordered=True)
+@pytest.mark.needs_internals("the device of callback-transport records", transport="callback")
 @pytest.mark.parametrize("ordered", [False, True])
 def test_pmap_delivers_each_slice_from_its_own_device(transport, collector, ordered):
     f = jax.pmap(lambda x: hcb.id_tap(collector, x * 2, tap_with_device=True, ordered=ordered))
@@ -28,6 +30,8 @@ def test_pmap_delivers_each_slice_from_its_own_device(transport, collector, orde
     assert by_device(collector) == {0: 0.0, 1: 2.0, 2: 4.0, 3: 6.0}
 
 
+@pytest.mark.needs_internals("ordered=True", ordered=True)
+@pytest.mark.needs_internals("the device of callback-transport records", transport="callback")
 @pytest.mark.parametrize("ordered", [False, True])
 def test_shard_map_delivers_each_shard_from_its_own_device(transport, collector, ordered):
     mesh = jax.make_mesh((4,), ("i",))
@@ -41,6 +45,9 @@ def test_shard_map_delivers_each_shard_from_its_own_device(transport, collector,
         np.testing.assert_array_equal(shard, [2 * device_id + 1, 2 * device_id + 2])
 
 
+@pytest.mark.needs_internals("taps in a jit over a sharded mesh", transport="native")
+@pytest.mark.needs_internals("the device of callback-transport records", transport="callback",
+                             device_index=2)
 @pytest.mark.parametrize("device_index", [0, 2])
 def test_sharded_jit_taps_the_whole_value_once_on_device_index(transport, collector, device_index):
     mesh = jax.make_mesh((4,), ("i",))
@@ -54,6 +61,7 @@ def test_sharded_jit_taps_the_whole_value_once_on_device_index(transport, collec
     np.testing.assert_array_equal(out, np.arange(8.0) * 3 + 1)
 
 
+@pytest.mark.needs_internals("taps in a jit over a sharded mesh")
 def test_sharded_jit_refuses_an_out_of_range_device_index(collector):
     mesh = jax.make_mesh((4,), ("i",))
     x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
@@ -61,6 +69,7 @@ def test_sharded_jit_refuses_an_out_of_range_device_index(collector):
         jax.jit(lambda x: hcb.id_tap(collector, x, device_index=4))(x)
 
 
+@pytest.mark.needs_internals("the device of callback-transport records", transport="callback")
 def test_large_taps_on_four_devices_arrive_intact(transport, collector):
     value = np.arange(4 * 256 * 1024, dtype=np.float32).reshape(4, -1)  # 1 MiB per device
     jax.pmap(lambda x: hcb.id_tap(collector, x, tap_with_device=True))(value)
@@ -70,6 +79,7 @@ def test_large_taps_on_four_devices_arrive_intact(transport, collector):
         np.testing.assert_array_equal(got[device_id], value[device_id])
 
 
+@pytest.mark.needs_internals("program order inside a computation")
 def test_each_device_delivers_in_its_own_program_order(transport, collector):
     def f(x):
         for i in range(20):
@@ -87,6 +97,7 @@ def _sharded(mesh, spec, value):
     return jax.device_put(value, NamedSharding(mesh, spec))
 
 
+@pytest.mark.needs_internals("partitioned=True")
 def test_partitioned_taps_give_each_device_its_own_shard_and_its_place(transport, collector):
     mesh = jax.make_mesh((2, 2), ("a", "b"))
     x = _sharded(mesh, P("a", "b"), jnp.arange(32.0).reshape(4, 8))
@@ -106,6 +117,7 @@ def test_partitioned_taps_give_each_device_its_own_shard_and_its_place(transport
     np.testing.assert_array_equal(whole, np.arange(32.0).reshape(4, 8) * 2)
 
 
+@pytest.mark.needs_internals("partitioned=True")
 def test_a_partitioned_tap_fires_even_when_its_result_is_unused(transport, collector):
     mesh = jax.make_mesh((4,), ("i",))
 
@@ -119,6 +131,7 @@ def test_a_partitioned_tap_fires_even_when_its_result_is_unused(transport, colle
         [1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]]
 
 
+@pytest.mark.needs_internals("partitioned=True")
 def test_a_partitioned_tap_of_a_replicated_leaf_gives_each_device_the_whole_leaf(transport,
                                                                                collector):
     mesh = jax.make_mesh((4,), ("i",))
@@ -133,6 +146,7 @@ def test_a_partitioned_tap_of_a_replicated_leaf_gives_each_device_the_whole_leaf
         assert transforms[-1][1]["offset"][1] == (0,)
 
 
+@pytest.mark.needs_internals("partitioned=True")
 def test_partitioned_is_a_no_op_where_each_device_already_taps_its_own_part(transport,
                                                                             collector):
     jax.pmap(lambda x: hcb.id_tap(collector, x, partitioned=True))(jnp.arange(4.0))

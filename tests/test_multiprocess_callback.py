@@ -12,6 +12,7 @@ STEPS = 50
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.needs_internals("the device of callback-transport records")
 def test_callback_transport_taps_of_two_processes_arrive_exactly_once(tmp_path):
     records = run_cluster(tmp_path, WORKER, STEPS, "callback", "multiprocess", 4 * STEPS)
     keys = [(r.process, r.device_id, r.step) for r in records]

@@ -15,6 +15,7 @@ EXPECTED_RECORDS = STEPS * (1 + 1 + 4)  # two whole-value taps and four shards p
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("transport", ["native", "callback"])
+@pytest.mark.needs_internals("taps in a jit over a sharded mesh and partitioned=True")
 def test_sharded_jit_taps_reach_the_collector_exactly_once(tmp_path, transport):
     records = run_cluster(tmp_path, WORKER, STEPS, transport, "sharded", EXPECTED_RECORDS)
     keys = [(r.name, r.process, r.device_id, r.step) for r in records]

@@ -5,6 +5,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 
 import hostcallback as hcb
@@ -50,6 +51,7 @@ def test_a_record_larger_than_the_budget_is_still_delivered(transport, collector
     np.testing.assert_array_equal(collector.values[0], value)
 
 
+@pytest.mark.needs_internals("the device of callback-transport records", transport="callback")
 def test_large_taps_copied_on_several_threads_arrive_intact_on_every_device(transport,
                                                                           collector):
     # Over 1 MiB, not a whole number of the copy's 256 KiB chunks, different on each device.

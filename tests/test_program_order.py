@@ -105,6 +105,7 @@ def test_nested_conds_in_a_scan(tags):
                          ("outer", 3), ("inner", 30), ("plain", 30)]
 
 
+@pytest.mark.needs_internals("program order inside a computation")
 def test_switch_nested_jit_and_custom_rules_keep_order(tags):
     a, b, c, d, e = (tags(name) for name in "abcde")
 
@@ -130,6 +131,7 @@ def test_switch_nested_jit_and_custom_rules_keep_order(tags):
     assert tags.seen == [("a", 2.0), ("b", 4.0), ("d", 4.0), ("c", 4.0), ("e", 5.0)]
 
 
+@pytest.mark.needs_internals("transforms in tap functions (vmap taps once per batch element)")
 def test_order_holds_under_vmap_and_grad(tags):
     inside, outside = tags("inside"), tags("outside")
 
@@ -144,6 +146,7 @@ def test_order_holds_under_vmap_and_grad(tags):
                          ("inside", 6.0), ("outside", 6.0)]
 
 
+@pytest.mark.needs_internals("transforms in tap functions (vmap taps once per batch element)")
 def test_a_vmapped_while_whose_predicate_taps_keeps_finished_lanes(tags):
     predicate = tags("pred")
     out = run(jax.vmap(lambda n: lax.while_loop(lambda n: predicate(n) > 0, lambda n: n - 1, n)),
@@ -164,6 +167,8 @@ def test_many_independent_taps_in_one_block_arrive_in_order(tags):
     assert tags.seen == ([(f"t{i}", i) for i in range(60)] + [(f"c{i}", i) for i in range(60)])
 
 
+@pytest.mark.needs_internals("taps in a jit over a sharded mesh", transport="native")
+@pytest.mark.needs_internals("the device of callback-transport records", transport="callback")
 def test_each_device_keeps_program_order_under_pmap_shard_map_and_sharded_jit(tags):
     first, second = tags("first", with_device=True), tags("second", with_device=True)
 
@@ -187,6 +192,7 @@ def test_each_device_keeps_program_order_under_pmap_shard_map_and_sharded_jit(ta
         assert mine == per_step * 2 + whole
 
 
+@pytest.mark.needs_internals("program order inside a computation")
 def test_each_tap_takes_the_token_the_tap_before_it_returned_in_the_lowered_program():
     """What makes the order hold, checked where XLA cannot reorder by chance: one token is made
     for the whole computation, and no two taps take the same token (each takes the one the tap,
@@ -216,6 +222,8 @@ def test_each_tap_takes_the_token_the_tap_before_it_returned_in_the_lowered_prog
     assert tokens_taken == 24
 
 
+@pytest.mark.needs_internals("program order inside a computation, and JAX's fast dispatch for "
+                             "computations that hold a tap")
 def test_program_order_costs_no_jax_effect_in_the_compiled_computation(transport):
     """The compiled step stays on JAX's fast dispatch path: no ordered or unordered effect."""
     f = jax.jit(lambda x: lax.cond(x > 1e9, lambda: hcb.id_tap(print, x, result=x),
@@ -225,11 +233,13 @@ def test_program_order_costs_no_jax_effect_in_the_compiled_computation(transport
     assert "HostcallbackProgramOrder" in str(jax.make_jaxpr(f)(1.0).effects)
 
 
+@pytest.mark.needs_internals("ordered=True")
 def test_ordered_true_still_orders_across_computations(transport):
     f = jax.jit(lambda x: hcb.id_tap(print, x, ordered=True))
     assert f.lower(1.0).compile()._executable.unsafe_call.ordered_effects != []
 
 
+@pytest.mark.needs_internals("program order inside a computation")
 def test_taps_keep_their_order_with_jax_simplified_jaxpr_constants():
     from conftest import run_python
 
@@ -238,6 +248,11 @@ def test_taps_keep_their_order_with_jax_simplified_jaxpr_constants():
         import jax, jax.numpy as jnp, numpy as np
         import hostcallback as hcb
         c = np.arange(1000.0, dtype=np.float32)
+        try:  # JAX 0.8 itself fails with that flag on this program, taps or not
+            jax.jit(lambda x: jnp.asarray(c) + x)(jnp.float32(1))
+        except AttributeError as error:
+            print(f"jax itself fails: {error}")
+            raise SystemExit(0)
         seen = []
         tap = lambda name: (lambda a, t: seen.append((name, float(np.asarray(a).sum()))))
         def f(x):
@@ -249,4 +264,6 @@ def test_taps_keep_their_order_with_jax_simplified_jaxpr_constants():
         print(float(out[2]), [name for name, _ in seen])
         """, env={"JAX_USE_SIMPLIFIED_JAXPR_CONSTANTS": "1"}, devices=1)
     assert result.returncode == 0, result.stderr[-2000:]
+    if result.stdout.startswith("jax itself fails"):
+        pytest.skip(f"this JAX cannot run the program with the flag at all ({result.stdout})")
     assert result.stdout.split("\n")[-2] == "3.0 ['first', 'second']"

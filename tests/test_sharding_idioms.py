@@ -109,12 +109,20 @@ AUTOMATIC_IDIOMS = [
     Idiom("nested jit", _nested_jit),
 ]
 IDS = [idiom.name for idiom in AUTOMATIC_IDIOMS]
+BY_NAME = {idiom.name: idiom for idiom in AUTOMATIC_IDIOMS}
+CALLBACK_DEVICE = "the device of callback-transport records"
 
 
 def _value_for(idiom):
     return VALUE_2D if idiom.run is _two_dimensional else VALUE
 
 
+@pytest.mark.needs_internals("taps in a jit over a sharded mesh", transport="native")
+@pytest.mark.needs_internals(CALLBACK_DEVICE, transport="callback", device_index=1)
+@pytest.mark.needs_internals(CALLBACK_DEVICE, transport="callback",
+                             idiom=BY_NAME["mesh over 2 of 4 devices"])
+@pytest.mark.needs_internals(CALLBACK_DEVICE, transport="callback",
+                             idiom=BY_NAME["mesh in reverse device order"])
 @pytest.mark.parametrize("idiom", AUTOMATIC_IDIOMS, ids=IDS)
 @pytest.mark.parametrize("device_index", [0, 1])
 def test_whole_value_tap_is_delivered_once_from_the_device_at_device_index(
@@ -129,6 +137,7 @@ def test_whole_value_tap_is_delivered_once_from_the_device_at_device_index(
     np.testing.assert_array_equal(out, _value_for(idiom) * 2 + 1)
 
 
+@pytest.mark.needs_internals("taps in a jit over a sharded mesh", transport="native")
 @pytest.mark.parametrize("idiom", AUTOMATIC_IDIOMS, ids=IDS)
 def test_id_print_prints_the_whole_value_once(transport, idiom):
     stream = io.StringIO()
@@ -138,6 +147,7 @@ def test_id_print_prints_the_whole_value_once(transport, idiom):
     assert header == "what: total" and float(value) == _value_for(idiom).sum()
 
 
+@pytest.mark.needs_internals("calls in a jit over a sharded mesh", transport="native")
 @pytest.mark.parametrize("idiom", AUTOMATIC_IDIOMS, ids=IDS)
 def test_call_returns_the_host_answer_to_every_shard(transport, idiom):
     def times_ten(x):
@@ -150,6 +160,7 @@ def test_call_returns_the_host_answer_to_every_shard(transport, idiom):
         np.testing.assert_array_equal(shard.data, expected[shard.index])
 
 
+@pytest.mark.needs_internals("partitioned=True")
 @pytest.mark.parametrize("idiom", AUTOMATIC_IDIOMS, ids=IDS)
 def test_partitioned_tap_delivers_each_shard_from_its_own_device(transport, collector, idiom):
     out, devices = idiom.run(
@@ -168,6 +179,7 @@ def test_partitioned_tap_delivers_each_shard_from_its_own_device(transport, coll
         np.testing.assert_array_equal(arg, whole[where])
 
 
+@pytest.mark.needs_internals("partitioned=True")
 def test_partitioned_tap_gathers_nothing(transport, collector):
     mesh = _mesh()
     with jax.set_mesh(mesh):
@@ -180,6 +192,8 @@ def test_partitioned_tap_gathers_nothing(transport, collector):
     assert len(collector.calls) == 4
 
 
+@pytest.mark.needs_internals("partitioned=True", tap_kind="partitioned")
+@pytest.mark.needs_internals(CALLBACK_DEVICE, transport="callback")
 @pytest.mark.parametrize("tap_kind", ["whole", "partitioned"])
 def test_shard_map_inside_jit_under_set_mesh_taps_each_shard(transport, collector, tap_kind):
     mesh = _mesh()
@@ -198,6 +212,7 @@ def test_shard_map_inside_jit_under_set_mesh_taps_each_shard(transport, collecto
         np.testing.assert_array_equal(shard, VALUE[4 * device_id:4 * device_id + 4] * 2)
 
 
+@pytest.mark.needs_internals(CALLBACK_DEVICE, transport="callback")
 def test_pmap_taps_and_calls_per_device(transport, collector):
     step = jax.pmap(lambda x: hcb.call(lambda v: np.asarray(v) * 3, hcb.id_tap(
         collector, x, tap_with_device=True), result_shape=x))
@@ -208,6 +223,8 @@ def test_pmap_taps_and_calls_per_device(transport, collector):
         0: 0.0, 1: 1.0, 2: 2.0, 3: 3.0}
 
 
+@pytest.mark.needs_internals("hostcallback's own message for a tap in a partly manual shard_map "
+                             "(automatic partitioning; JAX's or XLA's error is given)")
 def test_a_tap_in_a_partly_manual_shard_map_is_a_clear_error_at_trace_time(transport, collector):
     mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
     with jax.set_mesh(mesh):
@@ -220,6 +237,7 @@ def test_a_tap_in_a_partly_manual_shard_map_is_a_clear_error_at_trace_time(trans
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.needs_internals("taps in a jit over a sharded mesh", transport="native")
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 @pytest.mark.parametrize("timeout", [None, 60.0], ids=["no timeout", "timeout"])
 def test_barrier_wait_works_inside_set_mesh(transport, collector, axis_type, timeout):
@@ -251,6 +269,7 @@ print("next:", jax.jit(lambda x: hcb.call(lambda v: v * 2, x, result_shape=x))(x
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.needs_internals("calls in a jit over a sharded mesh")
 def test_a_failing_call_in_a_sharded_jit_fails_the_computation_clearly_not_the_process(transport):
     from conftest import run_python
 
@@ -263,6 +282,7 @@ def test_a_failing_call_in_a_sharded_jit_fails_the_computation_clearly_not_the_p
         "failed: True", "next: [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0]"]
 
 
+@pytest.mark.needs_internals("partitioned=True")
 def test_a_partitioned_tap_of_a_value_that_does_not_split_evenly_says_what_to_do(transport):
     mesh = _mesh()
     sharding = NamedSharding(mesh, P("d"))
@@ -297,6 +317,7 @@ for result_shape in (None, ()):
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.needs_internals("calls in a jit over a sharded mesh", transport="native")
 def test_a_call_without_results_in_a_sharded_jit_runs_once_and_fails_clearly(transport):
     from conftest import run_python
 

@@ -182,6 +182,7 @@ def _payloads_but_time(frames):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.needs_internals("transforms in tap functions (vmap taps once per batch element)")
 def test_a_file_sink_fed_frames_writes_what_the_general_path_writes(tmp_path):
     fast, general = FileSink(tmp_path / "fast.hcbs"), _GeneralFileSink(tmp_path / "general.hcbs")
     sinks = [fast, general]

@@ -9,6 +9,15 @@ from jax import lax
 import hostcallback as hcb
 
 
+def checkpoint_needs_internals(**params):
+    """The portable mode's native taps inside jax.checkpoint need JAX 0.12 or later (JAX allows
+    the FFI effect there only from 0.12): marks a test for older JAX only."""
+    if jax.__version_info__ >= (0, 12):
+        return lambda test: test
+    return pytest.mark.needs_internals("taps inside jax.checkpoint on JAX < 0.12", **params)
+
+
+@pytest.mark.needs_internals("transforms in tap functions (vmap taps once per batch element)")
 def test_vmap_taps_the_whole_batch_once_with_its_batch_dims(transport, collector):
     jax.vmap(lambda x, y: hcb.id_tap(collector, (x, y)), in_axes=(0, None))(
         jnp.arange(6.0).reshape(3, 2), jnp.float32(7))
@@ -18,6 +27,7 @@ def test_vmap_taps_the_whole_batch_once_with_its_batch_dims(transport, collector
     assert transforms == (("batch", {"batch_dims": (0, None)}),)
 
 
+@pytest.mark.needs_internals("transforms in tap functions (vmap taps once per batch element)")
 def test_nested_vmap_adds_one_batch_entry_per_level(transport, collector):
     jax.vmap(jax.vmap(lambda x: hcb.id_tap(collector, x)))(jnp.ones((2, 3)))
     hcb.barrier_wait()
@@ -33,6 +43,7 @@ def test_grad_fires_the_tap_once_with_primal_values(transport, collector):
     np.testing.assert_array_equal(collector.values[0], [0.0, 1.0, 2.0])
 
 
+@checkpoint_needs_internals(transport="native")
 def test_remat_under_grad_fires_the_tap_again_when_the_forward_is_recomputed(transport,
                                                                              collector):
     def f(x):
@@ -61,6 +72,7 @@ def test_jvp_and_vjp_fire_once_with_primal_values(transport, collector):
     assert all(transforms == () for _, transforms, _ in collector.calls)
 
 
+@pytest.mark.needs_internals("transforms in tap functions (vmap taps once per batch element)")
 def test_vmap_of_a_while_loop_taps_every_lane_each_iteration(transport, collector):
     def count_down(n):
         return lax.while_loop(lambda n: n > 0, lambda n: hcb.id_tap(collector, n) - 1, n)
@@ -71,6 +83,7 @@ def test_vmap_of_a_while_loop_taps_every_lane_each_iteration(transport, collecto
     assert collector.calls[0][1] == (("batch", {"batch_dims": (0,)}),)
 
 
+@pytest.mark.needs_internals("transforms in tap functions (vmap taps once per batch element)")
 def test_vmap_of_a_while_predicate_taps_every_lane(transport, collector):
     def count_down(n):
         return lax.while_loop(lambda n: hcb.id_tap(collector, n) > 0, lambda n: n - 1, n)
@@ -84,6 +97,9 @@ def test_vmap_of_a_while_predicate_taps_every_lane(transport, collector):
     assert states[0] == [1, 2] and states[-1] == [0, 0]
 
 
+@pytest.mark.needs_internals("transforms in tap functions (vmap taps once per batch element)",
+                             transport="callback")
+@pytest.mark.needs_internals("taps inside loops under grad, before JAX 0.12", transport="native")
 def test_scan_and_cond_under_grad_and_vmap_keep_tapping(transport, collector):
     def f(x):
         def body(carry, _):
@@ -118,6 +134,7 @@ def test_a_tap_on_tangents_fires_in_jvp_with_the_tangent(transport, collector):
     assert [(float(v), t) for v, t, _ in collector.calls] == [(0.0, ()), (3.0, ())]
 
 
+@pytest.mark.needs_internals("taps of tangents or cotangents")
 def test_a_transposed_tap_on_tangents_fires_in_the_backward_pass_with_cotangents(transport,
                                                                                   collector):
     f = _sin_with_tapped_tangent(collector)
@@ -151,6 +168,9 @@ def test_taps_in_custom_vjp_rules_fire_when_the_rule_runs(transport, collector):
     assert [float(v) for v in collector.values] == [3.0, 2.0]
 
 
+@pytest.mark.needs_internals('replays="mark"', replays="mark")
+@pytest.mark.needs_internals('replays="skip"', replays="skip")
+@checkpoint_needs_internals(transport="native", replays="deliver")
 @pytest.mark.parametrize("replays, expected", [
     ("deliver", [(), ()]),
     ("mark", [(), (("remat_replay", {}),)]),
@@ -166,6 +186,7 @@ def test_replays_under_remat_can_be_marked_or_skipped(transport, collector, repl
     assert [transforms for _, transforms, _ in collector.calls] == expected
 
 
+@checkpoint_needs_internals(transport="native")
 def test_a_saved_tap_is_not_replayed(transport, collector):
     def f(x):
         return jnp.sum(hcb.id_tap(collector, jnp.sin(x)) ** 2)

@@ -53,6 +53,8 @@ class _CountingOutfeed:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.needs_internals("barrier markers sent by computations on the transport in use (its "
+                             "barrier puts the markers in the queues from the host)")
 def test_barrier_markers_use_the_transport_in_use_now(monkeypatch):
     counting = _CountingOutfeed(callback_transport.outfeed)
     monkeypatch.setattr(callback_transport, "outfeed", counting)

@@ -40,10 +40,12 @@ from jax.interpreters import ad, batching, mlir  # noqa: E402  (rule tables for 
 # ---- the mode: JAX's internals through private.py, or public APIs alone ------------------------
 
 # What the portable mode lacks, in one line (the "Compatibility" document says more).
-PORTABLE_LACKS = ("transforms in tap functions (vmap taps once per batch element), program order "
-                  "inside a computation, ordered=True, taps and calls in jit over a sharded mesh "
-                  "(use shard_map), partitioned=True, replays=, vmap methods of calls other than "
-                  "sequential, and the device of callback-transport records")
+PORTABLE_LACKS = ("transforms in tap functions (vmap taps once per batch element; no taps of "
+                  "tangents or cotangents), program order inside a computation, ordered=True, "
+                  "taps and calls in jit over a sharded mesh (use shard_map), partitioned=True, "
+                  "replays=, PURE taps, vmap methods of calls other than sequential, the device "
+                  "of callback-transport records, and, before JAX 0.12, taps inside "
+                  "jax.checkpoint or inside loops under grad")
 
 
 def _portable_requested() -> bool:

@@ -57,7 +57,18 @@ def set_sharding(module_context, op, sharding) -> None:
 
 
 ir_consts = _mlir.ir_consts
-emit_python_callback = _callback.emit_python_callback
+_CALLBACK_TAKES_RETURNS_TOKEN = "returns_token" in inspect.signature(
+    _callback.emit_python_callback).parameters
+
+
+def emit_python_callback(ctx, callback, token, operands, operand_avals, result_avals, *,
+                         has_side_effect: bool, returns_token: bool, sharding=None):
+    """JAX's host-callback lowering; before 0.8.1 it returns a token exactly when given one, which
+    is what ``returns_token`` asks of later versions (we pass it True with a token only)."""
+    extra = {"returns_token": returns_token} if _CALLBACK_TAKES_RETURNS_TOKEN else {}
+    return _callback.emit_python_callback(ctx, callback, token, operands, operand_avals,
+                                          result_avals, has_side_effect=has_side_effect,
+                                          sharding=sharding, **extra)
 split_list = util.split_list
 new_source_info = source_info_util.new_source_info
 

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -415,8 +416,13 @@ std::string CheckTimeout(double timeout_s) {
 }
 
 std::string TimeoutMessage(double timeout_s) {
-  return "hostcallback: the host did not answer this call within its timeout of " +
-         std::to_string(timeout_s) + " s";
+  char seconds[32];
+  std::snprintf(seconds, sizeof(seconds), "%g", timeout_s);
+  return std::string("hostcallback: the host did not answer this call within its timeout of ") +
+         seconds + " s. If the call function runs JAX work while a computation over several "
+         "devices waits for it, XLA's CPU client may never run that work (it holds at most 32 "
+         "computations in flight per device, JAX's own callbacks hang there too): call "
+         "jax.block_until_ready on each step's result, or run that work outside the function";
 }
 
 // ---- the queues ---------------------------------------------------------------------------
@@ -1063,6 +1069,9 @@ ffi::Error CallImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_d
       if (ffi::Error error = ZeroOutputs(rets); error.failure()) return error;
       std::lock_guard<std::mutex> lock(g_call_failures.mu);
       g_call_failures.by_consumer[consumer_id] = problem;
+    } else {  // no reason of ours is left to be read for a failure elsewhere (another process)
+      std::lock_guard<std::mutex> lock(g_call_failures.mu);
+      g_call_failures.by_consumer.erase(consumer_id);
     }
     ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> flag = rets.get<ffi::AnyBuffer>(rets.size() - 1);
     if (!flag.has_value()) return flag.error();

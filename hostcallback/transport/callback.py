@@ -17,6 +17,7 @@ import numpy as np
 from hostcallback import _jax as jx
 from hostcallback import wire
 from hostcallback._jax import hlo, mlir
+from hostcallback.errors import describe_error
 from hostcallback._native import outfeed
 
 _PARTITION_AVAL = jx.ShapedArray((), np.uint32)
@@ -78,9 +79,11 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, r
         except BaseException as error:  # shared: every error becomes the flag, see above
             if not shared:
                 raise
-            _shared_call_failures[consumer_id] = f"{type(error).__name__}: {error}" \
+            _shared_call_failures[consumer_id] = describe_error(error) \
                 if not isinstance(error, RuntimeError) else str(error)
             return zeros()[:-1] + (np.uint32(1),)
+        if shared:  # no reason of ours is left to be read for a failure in another process
+            _shared_call_failures.pop(consumer_id, None)
         return results + (np.uint32(0),) if shared else results
 
     if isinstance(op_sharding, jx.SdyArrayList) and result_avals:

@@ -44,10 +44,20 @@ def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
     return token_out
 
 
+def _never_called(*args):
+    raise AssertionError("hostcallback's placeholder host callback was called")
+
+
 def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, result_avals,
          timeout_s: float):
     """The device sends ``args`` and waits for the host's results, which the handler copies into
-    the outputs: (token, *results). With emit_device >= 0 the other devices get zeros at once."""
+    the outputs: (token, *results). With emit_device >= 0 the other devices get zeros at once.
+
+    The computation registers a host callback it never calls: jaxlib then runs it synchronously
+    on CPU, as it runs computations with JAX's own callbacks. Dispatched asynchronously, steps
+    sent back to back fill XLA's 32 computations in flight per device while the first waits for
+    the host, and a call function that runs JAX work on that device waits for a slot forever."""
+    jx.add_host_callback(ctx, _never_called)
     call_ctx = dataclasses.replace(ctx, avals_in=[jx.abstract_token, *ctx.avals_in],
                                    avals_out=[jx.abstract_token, *result_avals])
     token_out, *results = _lower_call(call_ctx, token, *args, consumer_id=np.uint64(consumer_id),

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
                                   pure_callback,
                                   queue_stats,
                                   stop_outfeed_receiver,
+                                  taps_delivered,
     )
     from hostcallback.receiver import (
                                   CallbackException,
@@ -58,12 +59,13 @@ __all__ = [
     "queue_stats",
     "reset_peak_bytes_queued",
     "stop_outfeed_receiver",
+    "taps_delivered",
 ]
 
 # The public names that need jax, by the module that defines them.
 _IMPORTED_ON_FIRST_USE = {
     **dict.fromkeys(("barrier_wait", "call", "id_print", "id_tap", "pure_callback", "queue_stats",
-                     "stop_outfeed_receiver"), "hostcallback.api"),
+                     "stop_outfeed_receiver", "taps_delivered"), "hostcallback.api"),
     **dict.fromkeys(("CallbackException", "ReceiverStoppedError", "reset_peak_bytes_queued"),
                     "hostcallback.receiver"),
 }

@@ -7,9 +7,10 @@ error that names the argument and says what to do instead.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import repeat
 from typing import Any, TextIO
 
@@ -311,6 +312,22 @@ def barrier_wait(logging_name: str | None = None, *, timeout: float | None = Non
     its ``__cause__``), and TimeoutError if ``timeout`` seconds pass first.
     """
     receivers.barrier_wait(logging_name, timeout=timeout)
+
+
+@contextlib.contextmanager
+def taps_delivered(*, timeout: float | None = None) -> Iterator[None]:
+    """A block whose taps have all been handled when it ends: on leaving it, ``barrier_wait``.
+
+    Taps stay asynchronous inside the block; leaving it waits for every tap dispatched so far.
+    A consumer's ``warnings.warn`` therefore reaches a ``warnings.catch_warnings`` or
+    ``pytest.warns`` around the block, and a consumer's error is raised there as
+    CallbackException. The code inside needs no change::
+
+        with pytest.warns(UserWarning), hcb.taps_delivered():
+            model.fit(x, y)          # its taps warn on a receiver thread
+    """
+    yield
+    receivers.barrier_wait(None, timeout=timeout)
 
 
 def stop_outfeed_receiver(*, timeout: float | None = None) -> None:

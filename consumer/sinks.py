@@ -225,13 +225,24 @@ class SinkTap:
         return fields
 
 
-def tap_to(sinks: Iterable[Sink], arg: Any, *, name: str, ordered: bool | None = None,
-           **metadata: Any) -> Any:
+def tap_to(sinks: Iterable[Sink], arg: Any, *, name: str, metadata: dict[str, Any] | None = None,
+           ordered: bool | None = None, device_index: int = 0, partitioned: bool = False,
+           replays: str = "deliver", callback_flavor: Any = None, **unknown: Any) -> Any:
     """``id_tap`` that sends ``arg`` to ``sinks`` as a TapRecord named ``name``; returns ``arg``.
 
-    A dict ``arg`` with a ``"step"`` entry gives the record its step.
+    A dict ``arg`` with a ``"step"`` entry gives the record its step; ``metadata`` is stored with
+    every record. The other keywords are ``id_tap``'s (``partitioned=True``: a record per shard
+    from every device of a sharded jit); any other keyword is refused.
     """
-    return hostcallback.id_tap(SinkTap(sinks, name, **metadata), arg, ordered=ordered)
+    if unknown:
+        raise TypeError(
+            f"tap_to() got unexpected keyword argument(s) {', '.join(sorted(unknown))}. It takes "
+            "id_tap's options (ordered, device_index, partitioned, replays, callback_flavor) by "
+            "name, and metadata for the records as metadata={...}, e.g. "
+            f"tap_to(sinks, x, name={name!r}, metadata={{{next(iter(sorted(unknown)))!r}: ...}})")
+    return hostcallback.id_tap(SinkTap(sinks, name, **(metadata or {})), arg, ordered=ordered,
+                               device_index=device_index, partitioned=partitioned,
+                               replays=replays, callback_flavor=callback_flavor)
 
 
 # ---- files -----------------------------------------------------------------------------------

@@ -51,7 +51,7 @@ def test_every_dtype_round_trips_through_a_stream_file(tmp_path):
     values = {str(np.dtype(d)): (np.arange(6) % 4).astype(d).reshape(2, 3) for d in [
         np.bool_, np.int8, np.int16, np.int32, np.uint8, np.uint16, np.uint32, np.float16,
         ml_dtypes.bfloat16, np.float32, np.complex64, ml_dtypes.float8_e4m3fn]}
-    jax.jit(lambda v: tap_to([sink], v, name="all_dtypes", run_kind="test"))(values)
+    jax.jit(lambda v: tap_to([sink], v, name="all_dtypes", metadata={"run_kind": "test"}))(values)
     hcb.barrier_wait()
     (record,) = read_records(tmp_path / "taps.hcbs")
     assert record.name == "all_dtypes" and record.metadata == {"run_kind": "test"}
@@ -308,3 +308,21 @@ def test_cli_tail_follows_a_growing_file(tmp_path):
         sink.close()
     assert lines == ["name: grow step: 0", "0", "name: grow step: 1", "1",
                      "name: grow step: 2", "2"]
+
+
+@pytest.mark.needs_internals("partitioned=True")
+def test_tap_to_takes_id_tap_options_and_refuses_unknown_keywords(tmp_path, transport):
+    sink = FileSink(tmp_path / "t.hcbs")
+    mesh = jax.make_mesh((4,), ("d",))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+    x = jax.device_put(jnp.arange(8.0), sharding)
+    jax.jit(lambda v: tap_to([sink], v, name="shard", partitioned=True,
+                             metadata={"kind": "p"}))(x)
+    hcb.barrier_wait()
+    sink.close()
+    records = list(read_records(tmp_path / "t.hcbs"))
+    assert sorted(r.value.tolist() for r in records) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert {r.device_id for r in records} == {0, 1, 2, 3}
+    assert all(r.metadata == {"kind": "p"} for r in records)
+    with pytest.raises(TypeError, match="partitoned.*metadata=\\{'partitoned': ...\\}"):
+        tap_to([sink], 1.0, name="typo", partitoned=True)

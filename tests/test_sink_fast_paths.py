@@ -191,7 +191,7 @@ def test_a_file_sink_fed_frames_writes_what_the_general_path_writes(tmp_path):
         value = {"step": 3 * i + 1,  # a step that is not the sequence number
                  "loss": x, "grid": jnp.full((2, 3), x, jnp.bfloat16),
                  "flag": x > 2, "count": jnp.int8(i)}
-        return tap_to(sinks, value, name="train", lr=0.01)["loss"] + 1.0
+        return tap_to(sinks, value, name="train", metadata={"lr": 0.01})["loss"] + 1.0
 
     jax.jit(lambda x: jax.lax.fori_loop(0, 20, body, x))(jnp.float32(0))
     jax.jit(jax.vmap(lambda x: tap_to(sinks, {"v": x}, name="batched")))(jnp.ones((3, 2)))

@@ -6,6 +6,8 @@ consumer and the mismatch, never bytes of the wrong size.
 
 from __future__ import annotations
 
+import threading
+import warnings
 from typing import Any
 
 import numpy as np
@@ -32,6 +34,22 @@ def _canonical(dtype: np.dtype, x64: bool) -> np.dtype:
     return dtype if x64 else _X64_OFF.get(dtype, dtype)
 
 
+_warned_lock = threading.Lock()
+_warned: set[int] = set()  # ids of the call consumers whose dropped answers were reported
+
+
+def _warn_once_dropped(consumer: Consumer, result: Any) -> None:
+    with _warned_lock:
+        if id(consumer) in _warned:
+            return
+        _warned.add(id(consumer))
+    warnings.warn(
+        f"hostcallback.call({consumer.name}, ...) has no result_shape, so what the function "
+        f"returned ({type(result).__name__}) is dropped and the call returns None. To get it "
+        "back, declare it: result_shape=jax.ShapeDtypeStruct(shape, dtype) (a pytree of them).",
+        UserWarning, stacklevel=2)
+
+
 def result_leaves(consumer: Consumer, result: Any) -> list[np.ndarray]:
     """The result's leaves as C-contiguous arrays, exactly of the declared shapes and dtypes.
 
@@ -39,9 +57,12 @@ def result_leaves(consumer: Consumer, result: Any) -> list[np.ndarray]:
     canonicalisation of its dtype is the declared one (with x64 off numpy's float64 becomes
     float32, int64 int32, complex128 complex64), as legacy ``call`` and ``jax.pure_callback`` do;
     any other dtype is an error. Whether x64 is on is what it was where the call was traced (a
-    receiver thread does not see ``jax.enable_x64`` contexts). A call without results ignores what its function returns.
+    receiver thread does not see ``jax.enable_x64`` contexts). A call without results drops what
+    its function returns, and says so once per call site when that is not None.
     """
     if not consumer.result_avals:
+        if result is not None:
+            _warn_once_dropped(consumer, result)
         return []
     leaves, treedef = tree_util.tree_flatten(result)
     if treedef != consumer.result_treedef:

@@ -1,6 +1,7 @@
 """call: host code whose results come back into the computation, and every way it can go wrong."""
 
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -231,3 +232,14 @@ def test_a_call_function_may_run_jax_on_another_device(transport):
     x = jax.device_put(jnp.arange(3.0), jax.devices()[0])
     out = jax.jit(lambda x: hcb.call(host, x, result_shape=x))(x)
     np.testing.assert_array_equal(out, [0.0, 3.0, 6.0])
+
+
+def test_a_call_without_result_shape_whose_function_returns_something_warns_once(transport):
+    host = jax.jit(lambda x: hcb.call(lambda v: np.asarray(v) * 2, x))
+    with pytest.warns(UserWarning, match="has no result_shape, so what the function returned "
+                                         "\\(float32\\) is dropped"), hcb.taps_delivered():
+        assert host(jnp.float32(1)) is None
+    with warnings.catch_warnings(record=True) as again, hcb.taps_delivered():
+        warnings.simplefilter("always")
+        host(jnp.float32(2))
+    assert [str(w.message) for w in again] == []

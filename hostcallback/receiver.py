@@ -227,6 +227,8 @@ class ReceiverPool:
         self._local = threading.local()
         self._flush_hooks: weakref.WeakSet = weakref.WeakSet()
         self._marker_computations: dict[str, tuple] = {}  # per transport, built on first use
+        self._batches: dict[QueueKey, list | None] = {}  # each receiver's batch being delivered
+        self._contexts: dict[QueueKey, Any] = {}  # each receiver's record context
         self._dispatcher = _Dispatcher()
 
     # ---- lifecycle ----
@@ -278,19 +280,26 @@ class ReceiverPool:
                               raise_errors=False, notice_after=notice_after)
         except (TimeoutError, CallbackException) as error:
             logger.warning("hostcallback: %s", error)
-        left = self.undelivered()
         outfeed.set_closed(True)
         self._stopping.set()
-        for thread in self._threads.values():
+        for thread in self._threads.values():  # they deliver what is left, up to the deadline
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._stopped = True
-        return left
+        return self.undelivered()
 
     def undelivered(self) -> int:
-        """Records enqueued on this process's devices that no receiver has handled yet."""
+        """Records enqueued on this process's devices that no receiver has handled yet (a batch
+        being delivered counts from the record its consumer is at)."""
         with self._lock:
             return sum(outfeed.stats(k[1], platform=k[0])["records_enqueued"]
-                       - self._delivered[k] for k in self._threads)
+                       - self._delivered[k] - self._handled_in_batch(k) for k in self._threads)
+
+    def _handled_in_batch(self, key: QueueKey) -> int:
+        batch, context = self._batches.get(key), self._contexts.get(key)
+        record = None if context is None else context.record
+        if not batch or record is None:
+            return 0
+        return next((i for i, r in enumerate(batch) if r is record), 0)
 
     def _at_exit(self) -> None:
         """Delivers what is queued, within HOSTCALLBACK_EXIT_TIMEOUT; a Ctrl-C meanwhile leaves
@@ -345,7 +354,9 @@ class ReceiverPool:
             self._local.is_receiver = True
             platform, ordinal = key
             device = self._devices[key]
-            for_this_thread().device = device
+            context = for_this_thread()
+            context.device = device
+            self._contexts[key] = context
             while True:
                 try:
                     batch, markers = outfeed.drain(ordinal, _DRAIN_RECORDS, _DRAIN_BYTES,
@@ -360,10 +371,12 @@ class ReceiverPool:
                     time.sleep(_DRAIN_RETRY_SECONDS)
                     continue
                 if batch and not self._abandoned:
+                    self._batches[key] = batch  # for undelivered(), while it is delivered
                     self._deliver(key, device, batch)
+                    self._batches[key] = None
                 if markers or batch:
                     with self._lock:
-                        self._delivered[key] += len(batch) + len(markers)
+                        self._delivered[key] += len(batch)  # markers are counted apart
                         if markers:
                             self._markers[key].update(markers)
                             self._marker_seen.notify_all()

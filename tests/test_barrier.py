@@ -115,3 +115,13 @@ def test_barrier_covers_single_and_multi_device_computations_whose_results_were_
         single(jnp.float32(trial))
         hcb.barrier_wait()
         assert len(collector.calls) == 5, f"trial {trial}"
+
+
+def test_queue_stats_count_barrier_markers_apart_from_records(transport):
+    before = {d: s["records_enqueued"] for d, s in hcb.queue_stats().items()}
+    jax.jit(lambda x: hcb.id_tap(lambda a, t: None, x))(1)
+    hcb.barrier_wait()
+    stats = hcb.queue_stats()
+    assert sum(s["records_enqueued"] - before[d] for d, s in stats.items()) == 1
+    assert all(s["barrier_markers_enqueued"] == s["barrier_markers_delivered"] > 0
+               for s in stats.values())

@@ -100,3 +100,21 @@ def test_barrier_after_stop_returns_at_once():
         print("ok")
         """)
     assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_exit_that_gives_up_counts_the_records_really_left():
+    result = run_python("""
+        import threading, time
+        import jax
+        import hostcallback as hcb
+        def slow(arg, transforms):
+            time.sleep(0.3)
+            print("tap", int(arg), flush=True)
+        jax.jit(lambda x: jax.lax.fori_loop(0, 10, lambda i, c: hcb.id_tap(slow, i), x))(0)
+        """, env={"HOSTCALLBACK_EXIT_TIMEOUT": "1"}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    printed = result.stdout.split().count("tap")
+    assert 0 < printed < 10
+    left = [int(word) for line in result.stderr.splitlines()
+            if "were not delivered before exit" in line for word in line.split()[1:2]]
+    assert left == [10 - printed]

@@ -428,14 +428,22 @@ std::string TimeoutMessage(double timeout_s) {
 // ---- the queues ---------------------------------------------------------------------------
 
 struct QueueStats {
-  uint64_t records_enqueued = 0, bytes_enqueued = 0;
+  uint64_t records_enqueued = 0, bytes_enqueued = 0;  // taps and calls; barrier markers apart
   uint64_t records_delivered = 0, bytes_delivered = 0;
+  uint64_t markers_enqueued = 0, markers_delivered = 0;
   uint64_t bytes_queued = 0, peak_bytes_queued = 0;
   uint64_t waits = 0, wait_ns = 0;
   uint64_t producers_waiting = 0;
   uint64_t batches = 0;  // non-empty drains: records_delivered / batches is the mean batch
   uint64_t receiver_wakeups = 0;  // times a producer woke the receiver (a syscall on its thread)
 };
+
+// Whether a record is a barrier marker (consumer id kBarrierMarkerId, at byte 8 of its header).
+bool IsBarrierMarker(const Record& record) {
+  uint64_t consumer_id;
+  std::memcpy(&consumer_id, record.data + 8, sizeof(consumer_id));
+  return consumer_id == kBarrierMarkerId;
+}
 
 class DeviceQueue;
 
@@ -652,7 +660,7 @@ class DeviceQueue {
     }
     next_sequence_ += 1;
     Admit(ticket);
-    stats_.records_enqueued += 1;
+    (IsBarrierMarker(record) ? stats_.markers_enqueued : stats_.records_enqueued) += 1;
     stats_.bytes_enqueued += record.size;
     stats_.bytes_queued += record.size;
     stats_.peak_bytes_queued = std::max(stats_.peak_bytes_queued, stats_.bytes_queued);
@@ -720,13 +728,18 @@ class DeviceQueue {
     if (records_.size() > 1) coalescing_pays_ = true;  // a burst, or load: a window gathers
     out.reserve(std::min(max_records, records_.size()));
     size_t bytes = 0;
+    size_t markers = 0;
     while (!records_.empty() && out.size() < max_records && (out.empty() || bytes < max_bytes)) {
       out.push_back(records_.front());
       bytes += records_.front().size;
-      if (records_.front().urgent) urgent_queued_ -= 1;
+      if (records_.front().urgent) {
+        urgent_queued_ -= 1;
+        markers += IsBarrierMarker(records_.front()) ? 1 : 0;  // markers are urgent records
+      }
       records_.pop_front();
     }
-    stats_.records_delivered += out.size();
+    stats_.records_delivered += out.size() - markers;
+    stats_.markers_delivered += markers;
     stats_.bytes_delivered += bytes;
     stats_.bytes_queued -= bytes;
     stats_.batches += out.empty() ? 0 : 1;
@@ -1495,6 +1508,8 @@ nb::dict StatsOf(int device, const std::string& platform) {
   d["records_enqueued"] = s.records_enqueued;
   d["bytes_enqueued"] = s.bytes_enqueued;
   d["records_delivered"] = s.records_delivered;
+  d["barrier_markers_enqueued"] = s.markers_enqueued;
+  d["barrier_markers_delivered"] = s.markers_delivered;
   d["bytes_delivered"] = s.bytes_delivered;
   d["bytes_queued"] = s.bytes_queued;
   d["peak_bytes_queued"] = s.peak_bytes_queued;

@@ -4,17 +4,16 @@ The public API, and nothing else. The "Architecture" document says how a tap tra
 
 Importing this package must not import jax: pytest loads ``hostcallback.testing`` in every run
 of an environment that has hostcallback installed, and that runs this file. The names that need
-jax (the API and the receiver's) are imported on first use, by ``__getattr__`` below; a JAX
-older than the oldest supported is refused here already, from its installed version.
+jax (the API and the receiver's) are imported on first use, by ``__getattr__`` below, and a JAX
+older than the oldest supported is refused then (hostcallback._jax), not at plugin load.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
-from hostcallback import config, versions
+from hostcallback import config
 from hostcallback.config import configure
 from hostcallback.flavors import CallbackFlavor
 from hostcallback.record_context import RecordContext, current_record
@@ -37,11 +36,6 @@ if TYPE_CHECKING:
     )
 
 __version__ = "0.1.0"
-
-try:
-    versions.refuse_unsupported(importlib.metadata.version("jax"))
-except importlib.metadata.PackageNotFoundError:  # jax's own import says what is missing
-    pass
 
 __all__ = [
     "CallbackException",

@@ -65,9 +65,11 @@ _POLL_SECONDS = 0.25
 _SUMMARY_SECONDS = 1.0  # repeated failures of one consumer are summarised at most this often
 _DRAIN_RETRY_SECONDS = 0.05
 _BARRIER_SHARE = 0.8  # of stop()'s (and so of exit's) one deadline
-_EXIT_NOTICE_SECONDS = 1.0  # exit says what it waits for once it has waited this long
+_EXIT_NOTICE_SECONDS = 3.0  # exit says what it waits for once it has waited this long
 _ABANDON_JOIN_SECONDS = 1.0  # after a second Ctrl-C, how long exit waits for each receiver
-_FENCE_BIT = 1 << 63  # marks the markers of the portable barrier's fences (never waited for)
+# The portable barrier's fence computations tap marker + 2 (and + 3): values of its own, which
+# fit in uint32 (a marker travels as uint32 when x64 is off) and no barrier waits for.
+_FENCE_OFFSET = 2
 
 QueueKey = tuple  # (platform, device id): how the C++ core names a device's queue
 
@@ -291,8 +293,11 @@ class ReceiverPool:
         """Records enqueued on this process's devices that no receiver has handled yet (a batch
         being delivered counts from the record its consumer is at)."""
         with self._lock:
-            return sum(outfeed.stats(k[1], platform=k[0])["records_enqueued"]
-                       - self._delivered[k] - self._handled_in_batch(k) for k in self._threads)
+            return self._undelivered_locked()
+
+    def _undelivered_locked(self) -> int:
+        return sum(outfeed.stats(k[1], platform=k[0])["records_enqueued"]
+                   - self._delivered[k] - self._handled_in_batch(k) for k in self._threads)
 
     def _handled_in_batch(self, key: QueueKey) -> int:
         batch, context = self._batches.get(key), self._contexts.get(key)
@@ -303,8 +308,8 @@ class ReceiverPool:
 
     def _at_exit(self) -> None:
         """Delivers what is queued, within HOSTCALLBACK_EXIT_TIMEOUT; a Ctrl-C meanwhile leaves
-        the rest (one line says how many). No receiver calls a consumer after this returns, so
-        none runs Python while the interpreter finalizes."""
+        the rest (one line says how many), and a receiver finishes at most its batch. A consumer
+        that outlasts the deadline may still be running when the interpreter finalizes."""
         self._exiting = True
         timeout = config.settings.exit_timeout_s
         start = time.monotonic()
@@ -341,8 +346,9 @@ class ReceiverPool:
         return left
 
     def _say_what_exit_waits_for(self) -> None:
-        sys.stderr.write(f"hostcallback: delivering {self.undelivered()} queued tap record(s) "
-                         "before exit; press Ctrl-C to leave without them\n")
+        """One line on stderr; called with the lock held."""
+        sys.stderr.write(f"hostcallback: delivering {self._undelivered_locked()} queued tap "
+                         "record(s) before exit; press Ctrl-C to leave without them\n")
         sys.stderr.flush()
 
     # ---- the receiver threads ----
@@ -530,7 +536,7 @@ class ReceiverPool:
     def _wait_for_markers(self, logging_name: str | None, timeout: float | None,
                           notice_after: float | None = None) -> None:
         with self._lock:
-            marker = 2 * next(self._next_marker)
+            marker = 4 * next(self._next_marker)  # marker, marker + 1; fences marker + 2, + 3
         grouped = self._platform_groups()
         expected = {key: {marker, marker + 1} if len(grouped[key[0]]) > 1 else {marker}
                     for key in self._devices}
@@ -574,19 +580,15 @@ class ReceiverPool:
                             f"{pending}. A consumer may be slow or stuck.")
                     if notice_after is not None and time.monotonic() - started >= notice_after:
                         notice_after = None
-                        self._lock.release()  # undelivered() takes it
-                        try:
-                            self._say_what_exit_waits_for()
-                        finally:
-                            self._lock.acquire()
+                        self._say_what_exit_waits_for()
+                        continue
                     wait = remaining if remaining is not None else _POLL_SECONDS
                     if notice_after is not None:  # wake in time to say it
                         wait = min(wait, _POLL_SECONDS)
                     self._marker_seen.wait(wait)
             finally:
                 for seen in self._markers.values():
-                    seen.difference_update({marker, marker + 1, marker | _FENCE_BIT,
-                                            (marker + 1) | _FENCE_BIT})
+                    seen.difference_update(range(marker, marker + 4))
         if sent is not None:
             # Its markers arrived, so its dispatches are done: let it return before we do (a
             # thread still inside jaxlib when the interpreter exits aborts the process).
@@ -622,7 +624,7 @@ class ReceiverPool:
             # raises that again at every later effects barrier without waiting for the rest,
             # so marker computations on every device wait for what was dispatched before.
             with jx.outside_user_mesh():
-                self._send_markers_outside_user_mesh(marker | _FENCE_BIT)
+                self._send_markers_outside_user_mesh(marker + _FENCE_OFFSET)
         grouped = self._platform_groups()
         for (platform, ordinal) in self._devices:
             values = [marker, marker + 1] if len(grouped[platform]) > 1 else [marker]

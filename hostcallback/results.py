@@ -43,11 +43,14 @@ def _warn_once_dropped(consumer: Consumer, result: Any) -> None:
         if id(consumer) in _warned:
             return
         _warned.add(id(consumer))
-    warnings.warn(
-        f"hostcallback.call({consumer.name}, ...) has no result_shape, so what the function "
-        f"returned ({type(result).__name__}) is dropped and the call returns None. To get it "
-        "back, declare it: result_shape=jax.ShapeDtypeStruct(shape, dtype) (a pytree of them).",
-        UserWarning, stacklevel=2)
+    try:  # -W error would make the warning fail the call: it is only advice
+        warnings.warn(
+            f"hostcallback.call({consumer.name}, ...) has no result_shape, so what the function "
+            f"returned ({type(result).__name__}) is dropped and the call returns None. To get it "
+            "back, declare it: result_shape=jax.ShapeDtypeStruct(shape, dtype) (a pytree of "
+            "them).", UserWarning, stacklevel=2)
+    except Warning:
+        pass
 
 
 def result_leaves(consumer: Consumer, result: Any) -> list[np.ndarray]:

@@ -44,6 +44,8 @@ except Exception as error:
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.needs_internals("native calls run synchronously (a function that runs JAX work "
+                             "with steps dispatched back to back)", transport="native")
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("devices", [1, 4])
 def test_a_call_that_runs_jax_finishes_with_steps_dispatched_back_to_back(transport, devices):
@@ -54,6 +56,8 @@ def test_a_call_that_runs_jax_finishes_with_steps_dispatched_back_to_back(transp
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.needs_internals("native calls run synchronously (a function that runs JAX work "
+                             "with steps dispatched back to back)", transport="native")
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("scenario", [
     "pmap",

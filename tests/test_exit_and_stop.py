@@ -117,4 +117,5 @@ def test_exit_that_gives_up_counts_the_records_really_left():
     assert 0 < printed < 10
     left = [int(word) for line in result.stderr.splitlines()
             if "were not delivered before exit" in line for word in line.split()[1:2]]
-    assert left == [10 - printed]
+    # A consumer running when the count is taken may still finish before the process ends.
+    assert left in ([10 - printed], [10 - printed + 1])

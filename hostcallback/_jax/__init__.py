@@ -44,8 +44,9 @@ PORTABLE_LACKS = ("transforms in tap functions (vmap taps once per batch element
                   "tangents or cotangents), program order inside a computation, ordered=True, "
                   "taps and calls in jit over a sharded mesh (use shard_map), partitioned=True, "
                   "replays=, PURE taps, vmap methods of calls other than sequential, the device "
-                  "of callback-transport records, and, before JAX 0.12, taps inside "
-                  "jax.checkpoint or inside loops under grad")
+                  "of callback-transport records, synchronous native calls (a call function "
+                  "that runs JAX work while steps are dispatched back to back waits forever), "
+                  "and, before JAX 0.12, taps inside jax.checkpoint or inside loops under grad")
 
 
 def _portable_requested() -> bool:

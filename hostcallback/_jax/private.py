@@ -8,6 +8,7 @@ know raises ImportError here, never a failure later at trace time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 
 import jax
@@ -72,13 +73,22 @@ def emit_python_callback(ctx, callback, token, operands, operand_avals, result_a
 split_list = util.split_list
 new_source_info = source_info_util.new_source_info
 
-# What patches.py changes must be there to change.
+# What patches.py changes, and what the rules look up only when they run, must be there now:
+# checked before anything is changed, so a JAX that lacks one falls back to the portable mode.
 for _module, _name in ((pxla, "_cached_lowering_to_hlo"), (_mlir, "_lowerings"),
                        (pe, "dce_rules"), (pe, "partial_eval_jaxpr_custom_rules"),
-                       (pe, "_default_dce_rule"), (_dispatch, "prim_requires_devices_during_lowering"),
-                       (effects, "ordered_effects"), (effects, "control_flow_allowed_effects")):
+                       (pe, "_default_dce_rule"), (pe, "ensure_enum"), (pe, "RecomputeType"),
+                       (_dispatch, "prim_requires_devices_during_lowering"),
+                       (effects, "ordered_effects"), (effects, "control_flow_allowed_effects"),
+                       (effects, "shardable_ordered_effects"), (effects, "remat_allowed_effects"),
+                       (effects, "custom_derivatives_allowed_effects"),
+                       (_config, "use_shardy_partitioner"), (_mesh, "use_abstract_mesh"),
+                       (_mesh, "empty_abstract_mesh"), (_mlir.ModuleContext, "add_host_callback"),
+                       (_mlir, "lower_fun"), (_mlir, "TokenSet")):
     if not hasattr(_module, _name):
-        raise ImportError(f"{_module.__name__}.{_name} is not there")
+        raise ImportError(f"{getattr(_module, '__name__', _module)}.{_name} is not there")
+if "const_lowering" not in {f.name for f in dataclasses.fields(_mlir.LoweringRuleContext)}:
+    raise ImportError("mlir.LoweringRuleContext has no const_lowering")
 
 # XLA's targets for JAX's own host callbacks, which a per-shard tap calls by index.
 PYTHON_CALLBACK_TARGETS = {"cpu": "xla_ffi_python_cpu_callback",

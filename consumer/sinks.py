@@ -599,7 +599,8 @@ class SocketSink(FrameSink):
                 select.select([connection], [], [], wait)[0]:
             wait = 0
             chunk = connection.recv(1 << 16)
-            if not chunk:
+            if not chunk:  # a refusal read just before the end says why it ended
+                self._raise_if_refused(connection, acks)
                 raise ConnectionResetError("the collector closed the connection")
             acks.extend(chunk)
         while len(acks) >= ACK.size:
@@ -615,6 +616,11 @@ class SocketSink(FrameSink):
                 self._sent -= newly
                 self.acknowledged += newly
                 self._cond.notify_all()
+
+    def _raise_if_refused(self, connection: socket.socket, acks: bytearray) -> None:
+        for at in range(0, len(acks) - ACK.size + 1, ACK.size):
+            if ACK.unpack_from(acks, at)[0] == REFUSED:
+                raise _Refused(self._refusal_reason(connection, acks[at:]))
 
     def _refusal_reason(self, connection: socket.socket, acks: bytearray) -> str:
         connection.settimeout(1.0)

@@ -638,3 +638,18 @@ def test_a_sink_refuses_a_collector_whose_certificate_it_does_not_trust(make_col
         sink.flush(timeout=2)
     sink.close(timeout=0)
     assert server.collector.records_written == 0
+
+
+def test_a_wrong_token_is_reported_as_such_and_never_as_an_unreachable_collector(
+        make_collector, caplog):
+    server = make_collector(token="right-token")
+    with caplog.at_level(logging.WARNING, logger="hostcallback.sinks"):
+        sink = SocketSink("127.0.0.1", server.port, run="auth", token="wrong-token")
+        for i in range(3):
+            sink.emit(TapRecord(name="r", value=i))
+        wait_until(lambda: server.collector.refused.get("token", 0) >= 2, timeout=30)
+        sink.close(timeout=0.1)
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and r.name == "hostcallback.sinks"]
+    assert not any("cannot reach the collector" in message for message in warnings)
+    assert sum("wrong or missing token" in message for message in warnings) == 1

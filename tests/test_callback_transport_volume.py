@@ -16,7 +16,7 @@ TAPS_PER_DEVICE = 25_000
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.needs_internals("the device of callback-transport records", transport="callback")
+@pytest.mark.needs_internals("the device of callback-transport records")
 def test_100k_callback_taps_over_4_devices_arrive_once_each_in_order_per_device():
     received = collections.defaultdict(list)
 

@@ -1,8 +1,11 @@
 """No abort at interpreter exit: a thread of ours that comes back from a section without the GIL
 after finalization has begun parks instead of being ended by CPython (whose forced unwind through
-a noexcept frame aborted the process, rc 134). Each case runs in many fresh interpreters;
-HOSTCALLBACK_EXIT_RUNS sets how many for the cases that import JAX (50 by hand, see the
-"Reliability" document)."""
+a noexcept frame aborted the process, rc 134). A thread already waiting for the GIL when
+finalization begins cannot be saved from outside CPython: exit makes sure none of ours is (the
+receivers stop, the barrier's computations finish), and the reproducer below waits in drain()
+long enough to come back only after finalization began. Each case runs in many fresh
+interpreters; HOSTCALLBACK_EXIT_RUNS sets how many for the cases that import JAX (50 by hand,
+see the "Reliability" document)."""
 
 import os
 
@@ -17,15 +20,15 @@ DRAINING_WHILE_FINALIZATION_RUNS_ON = """
 
     def wait_in_drain():
         while True:
-            outfeed.drain(3, 16, 1 << 20, 0.02, platform="cpu")
+            outfeed.drain(3, 16, 1 << 20, 0.2, platform="cpu")
 
     class SlowToFinalize:
         def __del__(self):
-            time.sleep(0.1)  # finalization runs on past the drain's timeout
+            time.sleep(0.4)  # finalization runs on past the drain's timeout, GIL released
 
     kept_until_finalization = SlowToFinalize()
     threading.Thread(target=wait_in_drain, daemon=True).start()
-    time.sleep(0.03)
+    time.sleep(0.05)
     """
 
 

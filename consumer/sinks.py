@@ -595,14 +595,21 @@ class SocketSink(FrameSink):
     def _take_acknowledgements(self, connection: socket.socket, acks: bytearray,
                                on_connection: list[int], wait: float) -> None:
         """Reads what acknowledgements have arrived (waiting up to ``wait`` s for the first)."""
+        ended = False
         while (isinstance(connection, ssl.SSLSocket) and connection.pending()) or \
                 select.select([connection], [], [], wait)[0]:
             wait = 0
             chunk = connection.recv(1 << 16)
-            if not chunk:  # a refusal read just before the end says why it ended
-                self._raise_if_refused(connection, acks)
-                raise ConnectionResetError("the collector closed the connection")
+            if not chunk:  # what arrived before the end (a refusal says why) is taken first
+                ended = True
+                break
             acks.extend(chunk)
+        self._take_arrived(connection, acks, on_connection)
+        if ended:
+            raise ConnectionResetError("the collector closed the connection")
+
+    def _take_arrived(self, connection: socket.socket, acks: bytearray,
+                      on_connection: list[int]) -> None:
         while len(acks) >= ACK.size:
             (total,) = ACK.unpack_from(acks)
             if total == REFUSED:
@@ -616,11 +623,6 @@ class SocketSink(FrameSink):
                 self._sent -= newly
                 self.acknowledged += newly
                 self._cond.notify_all()
-
-    def _raise_if_refused(self, connection: socket.socket, acks: bytearray) -> None:
-        for at in range(0, len(acks) - ACK.size + 1, ACK.size):
-            if ACK.unpack_from(acks, at)[0] == REFUSED:
-                raise _Refused(self._refusal_reason(connection, acks[at:]))
 
     def _refusal_reason(self, connection: socket.socket, acks: bytearray) -> str:
         connection.settimeout(1.0)

@@ -500,12 +500,13 @@ def test_a_sink_across_a_collector_restart_delivers_every_record_once(tmp_path):
     sink = SocketSink("127.0.0.1", port, run="restart")
     # The first collector's acknowledgements are lost (it dies before they arrive), so the sink
     # sends all its records again: the second must find them in the run file and drop them.
-    sink._take_acknowledgements = lambda connection, acks, on_connection, wait: time.sleep(wait)
+    sink._take_arrived = lambda connection, acks, on_connection: acks.clear()
     for i in range(50):
         sink.emit(TapRecord(name="r", value=i))
     wait_until(lambda: first.collector.records_written == 50, what="the first records")
     first.stop()
-    del sink._take_acknowledgements
+    wait_until(lambda: sink.reconnects >= 1, what="the sink to see the connection end")
+    del sink._take_arrived
     for i in range(50, 100):
         sink.emit(TapRecord(name="r", value=i))
     second = CollectorThread(tmp_path / "out", port=port).start()

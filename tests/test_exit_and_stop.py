@@ -119,3 +119,37 @@ def test_exit_that_gives_up_counts_the_records_really_left():
             if "were not delivered before exit" in line for word in line.split()[1:2]]
     # A consumer running when the count is taken may still finish before the process ends.
     assert left in ([10 - printed], [10 - printed + 1])
+
+
+@pytest.mark.timeout(120)
+def test_a_long_exit_says_what_it_waits_for_and_ctrl_c_leaves_quietly():
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import signal, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive run has it
+        import jax
+        import hostcallback as hcb
+        def slow(arg, transforms):
+            time.sleep(0.5)
+        jax.jit(lambda x: jax.lax.fori_loop(0, 40, lambda i, c: hcb.id_tap(slow, i), x))(0)
+        """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    child = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
+                             env=env)
+    lines = []
+    for line in child.stderr:
+        lines.append(line)
+        if "before exit; press Ctrl-C to leave without them" in line:
+            child.send_signal(signal.SIGINT)
+            break
+    rest = child.stderr.read()
+    assert child.wait(timeout=60) == 0, "".join(lines) + rest
+    assert any(line.startswith("hostcallback: delivering ") for line in lines)
+    assert "hostcallback: exit without the " in rest and "queued tap record(s) (Ctrl-C)" in rest
+    assert "Traceback" not in rest and "Exception ignored" not in rest

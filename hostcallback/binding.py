@@ -11,6 +11,4 @@ if _jax.PORTABLE:
 else:
     from hostcallback.primitive import REPLAYS, bind
 
-PORTABLE = _jax.PORTABLE
-
-__all__ = ["PORTABLE", "REPLAYS", "bind"]
+__all__ = ["REPLAYS", "bind"]

@@ -36,7 +36,7 @@ def _env_float(name: str, default: float) -> float:
         raise ValueError(f"{name}={raw!r} is not a number") from None
 
 
-def _env_bool(name: str, default: bool) -> bool:
+def env_bool(name: str, default: bool) -> bool:
     raw = os.environ.get(name, "").strip().lower()
     if raw == "":
         return default
@@ -64,7 +64,7 @@ class Settings:
     transport: str | None = dataclasses.field(default_factory=_env_transport)
     # Default of the taps' ``ordered`` keyword: strict program order across loops, branches and
     # calls, at the price of JAX's slower dispatch for computations that hold such taps.
-    ordered: bool = dataclasses.field(default_factory=lambda: _env_bool("HOSTCALLBACK_ORDERED", False))
+    ordered: bool = dataclasses.field(default_factory=lambda: env_bool("HOSTCALLBACK_ORDERED", False))
     # Byte budget of each device's outfeed queue; a full queue makes the device wait.
     max_queue_bytes: int = dataclasses.field(
         default_factory=lambda: _env_int("HOSTCALLBACK_MAX_QUEUE_BYTES", 256 << 20))

@@ -21,9 +21,7 @@ TRANSPORTS = ("native", "callback")
 def pytest_configure(config):
     """A run that did not ask for the portable mode must not fall into it unseen: every test of
     what it lacks would be skipped and the run would pass on a broken default mode."""
-    asked = os.environ.get("HOSTCALLBACK_PORTABLE", "").strip().lower() in ("1", "true", "yes",
-                                                                             "on")
-    if _jax.PORTABLE and not asked:
+    if _jax.PORTABLE and not _jax.PORTABLE_REQUESTED:
         pytest.exit(f"hostcallback fell back to its portable mode ({_jax.PORTABLE_REASON}); set "
                     "HOSTCALLBACK_PORTABLE=1 to test that mode on purpose", returncode=1)
 

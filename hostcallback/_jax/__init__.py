@@ -9,19 +9,19 @@ differences are feature checks here, never version tests elsewhere.
 Two modes: JAX's internals through private.py (the default), or the portable mode, on public
 APIs alone (portable.py, beside the primitive), when ``HOSTCALLBACK_PORTABLE=1`` asks for it or
 private.py cannot be imported; it then says once what it lacks. On a JAX newer than the newest
-tested it warns once. Of hostcallback it imports only versions.py, and it fails at import, naming
-the supported versions, on a JAX older than the oldest one supported.
+tested it warns once. Of hostcallback it imports only versions.py and config.py (neither imports
+the rest), and it fails at import, naming the supported versions, on a JAX older than the oldest
+one supported.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 
 import jax
 
-from hostcallback import versions
+from hostcallback import config, versions
 
 versions.refuse_unsupported(jax.__version__)
 UNTESTED = versions.is_untested(jax.__version__)
@@ -49,25 +49,16 @@ PORTABLE_LACKS = ("transforms in tap functions (vmap taps once per batch element
                   "and, before JAX 0.12, taps inside jax.checkpoint or inside loops under grad")
 
 
-def _portable_requested() -> bool:
-    raw = os.environ.get("HOSTCALLBACK_PORTABLE", "").strip().lower()
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(f"HOSTCALLBACK_PORTABLE={raw!r}: use 1/true/yes/on or 0/false/no/off")
-
-
-PORTABLE_REASON: str | None = "HOSTCALLBACK_PORTABLE=1" if _portable_requested() else None
+PORTABLE_REQUESTED = config.env_bool("HOSTCALLBACK_PORTABLE", False)
+PORTABLE_REASON: str | None = "HOSTCALLBACK_PORTABLE=1" if PORTABLE_REQUESTED else None
 if PORTABLE_REASON is None:
     try:
         from hostcallback._jax.private import *  # noqa: E402, F403
-        from hostcallback._jax.private import __all__ as _private_names  # noqa: E402
     except (ImportError, AttributeError, TypeError, ValueError) as _error:
         PORTABLE_REASON = (f"jax {jax.__version__} lacks or changed a private piece hostcallback "
                            f"uses ({type(_error).__name__}: {_error})")
 PORTABLE = PORTABLE_REASON is not None
-if PORTABLE and PORTABLE_REASON != "HOSTCALLBACK_PORTABLE=1":
+if PORTABLE and not PORTABLE_REQUESTED:
     warnings.warn(f"hostcallback runs in its portable mode: {PORTABLE_REASON}. It lacks "
                   f"{PORTABLE_LACKS}.", stacklevel=2)
 

@@ -336,6 +336,23 @@ def test_a_backlog_of_small_records_leaves_the_pool_room_for_large_ones():
     """) == ["20", "0"]
 
 
+def test_a_record_larger_than_the_pool_can_keep_does_not_stop_it_keeping_small_ones():
+    assert pool_hits_and_misses("""
+        config.configure(max_queue_bytes=1 << 20)  # the pool keeps at most 2 MiB
+        enqueue(np.ones(1 << 20, np.float32))  # 4 MiB: goes in alone, never pooled
+        huge = drain()[0][4][0]  # and a consumer keeps it
+        enqueue(np.int32(0))
+        drain()  # its buffer is back in the pool
+        before = outfeed.pool_stats()
+        for value in range(100):
+            enqueue(np.int32(value))
+            assert int(drain()[0][4][0]) == value
+        after = outfeed.pool_stats()
+        print(after["hits"] - before["hits"], after["misses"] - before["misses"])
+        assert huge.sum() == 1 << 20
+    """) == ["100", "0"]
+
+
 @pytest.mark.parametrize("coalesce_s", [-1.0, float("nan"), 5.0])
 def test_a_bad_coalescing_window_is_refused(coalesce_s):
     with pytest.raises(ValueError, match="coalesce_s"):

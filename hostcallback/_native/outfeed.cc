@@ -100,6 +100,7 @@ struct Record {
   uint8_t* data = nullptr;
   size_t size = 0;
   size_t capacity = 0;
+  bool outside_pool = false;  // larger than the pool could keep: freed, never pooled
   bool urgent = false;  // a call or a barrier marker: its queue wakes the receiver at once
 };
 
@@ -117,7 +118,9 @@ std::atomic<uint64_t> g_records_held{0};
 // an eighth of the allowance), and a buffer is kept while the pooled buffers in use and free
 // together stay within one budget plus one drained batch: what the queue and a receiver's batch
 // can hold at once. So a steady stream of taps always hits, and the pool adds nothing to the
-// memory bound (docs/reliability.md).
+// memory bound (docs/reliability.md). A buffer larger than that allowance when it is allocated
+// lies outside the pool: freed when returned, and not counted against the pool's room, so one
+// such record held by a consumer does not stop the pool keeping the small ones.
 class BufferPool {
  public:
   static constexpr size_t kSizeClassesFrom = 64 << 10;
@@ -133,10 +136,12 @@ class BufferPool {
     return (size + step - 1) / step * step;
   }
 
-  // Returns null when out of memory; *capacity is what was allocated.
-  uint8_t* Get(size_t size, size_t* capacity) {
+  // Returns null when out of memory; *capacity is what was allocated, *outside whether the
+  // buffer lies outside the pool (pass it back to Put).
+  uint8_t* Get(size_t size, size_t* capacity, bool* outside) {
     const size_t wanted = ClassOf(size);
     *capacity = wanted;
+    *outside = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto found = free_.find(wanted);
@@ -156,21 +161,27 @@ class BufferPool {
         return data;
       }
       misses_ += 1;
-      in_use_bytes_ += wanted;  // counted before the allocation, undone below if it fails
+      *outside = wanted > Allowance();
+      // Counted before the allocation, undone below if it fails.
+      (*outside ? outside_bytes_ : in_use_bytes_) += wanted;
     }
     auto* data = static_cast<uint8_t*>(std::aligned_alloc(kAlignment, wanted));
     if (data == nullptr) {
       std::lock_guard<std::mutex> lock(mu_);
-      in_use_bytes_ -= wanted;
+      (*outside ? outside_bytes_ : in_use_bytes_) -= wanted;
     }
     return data;
   }
 
-  void Put(uint8_t* data, size_t capacity) noexcept {
-    bool kept;
+  void Put(uint8_t* data, size_t capacity, bool outside = false) noexcept {
+    bool kept = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      kept = KeepLocked(data, capacity);
+      if (outside) {
+        outside_bytes_ -= capacity;
+      } else {
+        kept = KeepLocked(data, capacity);
+      }
     }
     if (!kept) std::free(data);
   }
@@ -192,7 +203,8 @@ class BufferPool {
     uint64_t pooled, in_use, hits, misses;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      pooled = pooled_bytes_, in_use = in_use_bytes_, hits = hits_, misses = misses_;
+      pooled = pooled_bytes_, in_use = in_use_bytes_ + outside_bytes_, hits = hits_,
+      misses = misses_;
     }
     nb::dict d;
     d["pooled_bytes"] = pooled;
@@ -209,11 +221,16 @@ class BufferPool {
   }
 
  private:
+  // What the pool's buffers, in use and free, may hold together: one budget plus one batch.
+  static uint64_t Allowance() noexcept {
+    return g_max_queue_bytes.load(std::memory_order_relaxed) +
+           g_batch_bytes.load(std::memory_order_relaxed);
+  }
+
   // Takes a buffer back into the free lists if the pool has room for it (called under mu_).
   bool KeepLocked(uint8_t* data, size_t capacity) noexcept {
     in_use_bytes_ -= capacity;
-    const uint64_t cap = g_max_queue_bytes.load(std::memory_order_relaxed) +
-                         g_batch_bytes.load(std::memory_order_relaxed);
+    const uint64_t cap = Allowance();
     const bool small = capacity < kSizeClassesFrom;
     // Small buffers keep to an eighth of the allowance: a backlog of small taps, once
     // delivered, must not leave the pool too full to keep the large buffers it exists for.
@@ -234,6 +251,7 @@ class BufferPool {
   std::mutex mu_;
   std::unordered_map<size_t, std::vector<uint8_t*>> free_;  // size class -> free buffers
   uint64_t pooled_bytes_ = 0, pooled_small_bytes_ = 0, in_use_bytes_ = 0, hits_ = 0, misses_ = 0;
+  uint64_t outside_bytes_ = 0;  // in use, outside the pool
 };
 
 // Never destroyed (see the rules at the top).
@@ -276,10 +294,10 @@ ReleasedRecords::~ReleasedRecords() {
 }
 
 void ReleaseRecord(const Record& record) noexcept {
-  if (t_drains && record.capacity < BufferPool::kSizeClassesFrom) {
+  if (t_drains && !record.outside_pool && record.capacity < BufferPool::kSizeClassesFrom) {
     t_released.Add(record);
   } else {
-    g_pool.Put(record.data, record.capacity);
+    g_pool.Put(record.data, record.capacity, record.outside_pool);
   }
 }
 
@@ -365,7 +383,7 @@ Record EncodeRecord(uint64_t consumer_id, uint32_t device, ArrayViews arrays, ui
   size = AlignUp(std::max<size_t>(size, kAlignment));
 
   Record r;
-  r.data = g_pool.Get(size, &r.capacity);
+  r.data = g_pool.Get(size, &r.capacity, &r.outside_pool);
   if (r.data == nullptr) throw std::bad_alloc();
   r.size = size;
   ZeroLines(r.data, header);

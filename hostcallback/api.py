@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import string
+import warnings
 from collections.abc import Callable, Iterator
 from itertools import repeat
 from typing import Any, TextIO
@@ -394,6 +395,7 @@ def call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any = Non
     result_shape = _result_shape_keyword(result_shape, kwargs)
     if kwargs:
         raise TypeError(f"call() got unexpected keyword argument(s) {', '.join(sorted(kwargs))}")
+    _warn_if_a_shape_was_meant(result_shape)
     if not callable(callback_func):
         raise TypeError(f"call() needs a callable callback_func, got {type(callback_func).__name__}")
     if timeout is not None and not timeout > 0:
@@ -424,6 +426,17 @@ def call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any = Non
                 result_avals=tuple(jx.ShapedArray(shape, dtype) for shape, dtype in result_avals),
                 timeout_s=float(timeout or 0.0), vmap_method=vmap_method)
     return None if result_shape is None else tree_util.tree_unflatten(result_treedef, outs)
+
+
+def _warn_if_a_shape_was_meant(result_shape: Any) -> None:
+    """``result_shape=(2,)`` is a tuple of one int scalar (legacy host_callback read it so too),
+    but it is most often meant as a shape; the mismatch would only show at run time."""
+    if (isinstance(result_shape, tuple) and result_shape
+            and all(type(d) is int for d in result_shape)):
+        warnings.warn(
+            f"call(result_shape={result_shape!r}) describes a tuple of {len(result_shape)} "
+            f"integer scalar(s), not an array of shape {result_shape!r}; for an array write "
+            f"result_shape=jax.ShapeDtypeStruct({result_shape!r}, dtype)", stacklevel=3)
 
 
 def _result_shape_keyword(result_shape: Any, kwargs: dict) -> Any:

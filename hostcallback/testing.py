@@ -1,8 +1,10 @@
 """Test helpers, registered as a pytest plugin (entry point ``hostcallback``).
 
-The ``tap_records`` fixture hands out tap functions by name and collects what they receive; at
-teardown it calls ``barrier_wait()``, so every tap of the test has arrived, and a consumer that
-raised fails the test instead of leaking into the next one::
+Once a test has used hostcallback, the plugin waits after every test until its taps have been
+handled (``barrier_wait``), so a consumer that raised fails the test whose tap it was, not a
+later one. Turn that off with the ini option ``hostcallback_wait_after_each_test = false``.
+
+The ``tap_records`` fixture hands out tap functions by name and collects what they receive::
 
     def test_loss_is_tapped(tap_records):
         step(params)                      # taps with hcb.id_tap(tap_records.tap("loss"), loss)
@@ -17,10 +19,14 @@ asks for it.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
 import pytest
+
+WAIT_OPTION = "hostcallback_wait_after_each_test"
+WAIT_TIMEOUT_S = 120.0
 
 
 class TapRecords:
@@ -43,12 +49,15 @@ class TapRecords:
         return self._taps[name]
 
     def __getitem__(self, name: str) -> list[Any]:
-        """The values tapped under ``name``."""
-        with self._lock:
-            return [value for value, _, _ in self._by_name.get(name, [])]
+        """The values tapped under ``name``; KeyError for a name never handed out by tap()."""
+        return [value for value, _, _ in self.entries(name)]
 
     def entries(self, name: str) -> list[tuple[Any, tuple, Any]]:
         with self._lock:
+            if name not in self._taps and name not in self._by_name:
+                known = ", ".join(repr(n) for n in sorted(self._taps)) or "none yet"
+                raise KeyError(f"no tap function was handed out under {name!r} "
+                               f"(tap_records.tap(name)); known names: {known}")
             return list(self._by_name.get(name, []))
 
     def names(self) -> list[str]:
@@ -62,11 +71,48 @@ class TapRecords:
 
 @pytest.fixture
 def tap_records():
-    import hostcallback  # here, not at module level: see the module docstring
-
     records = TapRecords()
     yield records
+    _wait_for_taps()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addini(WAIT_OPTION, type="bool", default=True,
+                  help="hostcallback: after every test that ran once hostcallback was used, wait "
+                       "until its taps are handled and fail the test if a consumer raised")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """After the test body: its taps are handled before the next test starts, and a consumer
+    error fails this test (added as a note when the test failed on its own)."""
     try:
-        hostcallback.barrier_wait(timeout=120)
+        result = yield
+    except BaseException as failure:
+        if _should_wait(item) and isinstance(failure, Exception):
+            try:
+                _wait_for_taps()
+            except pytest.fail.Exception as tap_failure:
+                failure.add_note(str(tap_failure))
+        raise
+    if _should_wait(item):
+        _wait_for_taps()
+    return result
+
+
+def _should_wait(item: pytest.Item) -> bool:
+    """Only once a test has used hostcallback's API (so a session that never does imports
+    nothing), and unless the ini option turns it off."""
+    return "hostcallback.api" in sys.modules and item.config.getini(WAIT_OPTION)
+
+
+def _wait_for_taps() -> None:
+    import hostcallback
+
+    try:
+        hostcallback.barrier_wait(timeout=WAIT_TIMEOUT_S)
     except hostcallback.CallbackException as error:
         pytest.fail(f"a tap consumer raised during the test: {error}", pytrace=False)
+    except TimeoutError:
+        pytest.fail(f"the test's taps were not all handled within {WAIT_TIMEOUT_S:.0f} s after "
+                    "it ended (a consumer or call function still running?)", pytrace=False)

@@ -234,6 +234,22 @@ def test_a_call_function_may_run_jax_on_another_device(transport):
     np.testing.assert_array_equal(out, [0.0, 3.0, 6.0])
 
 
+def test_a_shape_tuple_as_result_shape_warns_at_trace_time_saying_what_to_write():
+    with pytest.warns(UserWarning, match=r"describes a tuple of 1 integer scalar\(s\), not an "
+                                         r"array of shape \(2,\); for an array write "
+                                         r"result_shape=jax.ShapeDtypeStruct\(\(2,\), dtype\)"
+                      ) as caught:
+        jax.jit(lambda x: hcb.call(lambda v: (np.int32(7),), x, result_shape=(2,))).lower(1.0)
+    assert caught[0].filename == __file__  # points at the user's line
+
+
+def test_a_tuple_of_int_scalars_as_result_shape_still_means_what_legacy_meant(transport):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = jax.jit(lambda x: hcb.call(lambda v: (np.int32(7),), x, result_shape=(2,)))(1.0)
+    assert isinstance(out, tuple) and int(out[0]) == 7
+
+
 def test_a_call_without_result_shape_whose_function_returns_something_warns_once(transport):
     host = jax.jit(lambda x: hcb.call(lambda v: np.asarray(v) * 2, x))
     with pytest.warns(UserWarning, match="has no result_shape, so what the function returned "

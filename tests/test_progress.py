@@ -2,6 +2,7 @@
 
 import io
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -230,3 +231,26 @@ def test_a_slower_device_finishing_the_same_run_does_not_start_a_bar():
     sink.emit(_record(9, device_id=0))
     sink.emit(_record(9, device_id=1))
     assert sink.bars_started == 1
+
+
+class SlowProgressSink(ProgressSink):
+    """Takes 20 ms per record: without the loop waiting for its bar, the results are ready long
+    before the bar is."""
+
+    def emit(self, record):
+        time.sleep(0.02)
+        super().emit(record)
+
+
+@pytest.mark.parametrize("loop", ["fori_loop", "scan"])
+def test_the_bar_is_drawn_before_the_loops_results_are_ready(transport, loop):
+    out = io.StringIO()
+    sink = SlowProgressSink(total=100, desc="train", file=out)
+    if loop == "fori_loop":
+        run = jax.jit(lambda x: progress_fori_loop(0, 100, body, x, every=10, sink=sink))
+    else:
+        run = jax.jit(lambda c: progress_scan(lambda c, x: (c + x, c), c, jnp.arange(100.0),
+                                              every=10, sink=sink)[0])
+    jax.block_until_ready(run(1.0))  # no barrier_wait
+    assert out.getvalue().splitlines()[-1].endswith("done"), out.getvalue()
+    assert sink.position == 100

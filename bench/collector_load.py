@@ -1,6 +1,6 @@
 """The collector under load: N local client processes stream records as fast as they can.
 
-Starts `python -m consumer collect --port 0` as its own process, then N client processes on
+Starts `python -m hostcallback.consumer collect --port 0` as its own process, then N client processes on
 loopback that each stream pre-encoded records (one realistic tap record, ~220 bytes framed, or
 ``--value-bytes`` more) for ``--seconds``, then wait for the collector to acknowledge everything.
 With ``--sink`` the clients use SocketSink.emit instead (the sender's cost included).
@@ -28,8 +28,8 @@ import uuid
 
 import numpy as np
 
-from consumer import SocketSink, TapRecord, stream
-from consumer.collector import scan_run_file
+from hostcallback.consumer import SocketSink, TapRecord, stream
+from hostcallback.consumer.collector import scan_run_file
 
 
 def sample_record(value_bytes: int) -> TapRecord:
@@ -109,7 +109,7 @@ def main() -> None:
     args = parser.parse_args()
 
     out_dir = tempfile.mkdtemp(prefix="collector-load-")
-    collector = subprocess.Popen([sys.executable, "-m", "consumer", "collect", "--port", "0",
+    collector = subprocess.Popen([sys.executable, "-m", "hostcallback.consumer", "collect", "--port", "0",
                                   "--out", out_dir], stdout=subprocess.PIPE, text=True)
     try:
         port = int(collector.stdout.readline().split(":")[1].split(",")[0])

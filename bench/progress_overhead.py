@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import hostcallback as hcb
-from consumer import ProgressSink, loop_progress, progress_fori_loop
+from hostcallback.consumer import ProgressSink, loop_progress, progress_fori_loop
 
 
 def body(i, x):

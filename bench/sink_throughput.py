@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import hostcallback as hcb
-from consumer import FileSink, SocketSink, StatsSink, tap_to
-from consumer.collector import CollectorThread
+from hostcallback.consumer import FileSink, SocketSink, StatsSink, tap_to
+from hostcallback.consumer.collector import CollectorThread
 
 
 def run_once(sink, steps: int) -> float:

@@ -31,8 +31,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import hostcallback as hcb  # noqa: E402
-from consumer import FileSink, SocketSink, read_records, tap_to  # noqa: E402
-from consumer.collector import CollectorThread  # noqa: E402
+from hostcallback.consumer import FileSink, SocketSink, read_records, tap_to  # noqa: E402
+from hostcallback.consumer.collector import CollectorThread  # noqa: E402
 
 DEVICES = 4
 BIG = 1 << 18  # float32 elements: 1 MiB

@@ -2,14 +2,14 @@
 and a collector for many processes, progress bars and TensorBoard. See the documents "Record
 stream format" and "Consumers"."""
 
-from consumer.progress import (
+from .progress import (
                             ProgressSink,
                             loop_progress,
                             progress_fori_loop,
                             progress_scan,
                             scan_progress,
 )
-from consumer.sinks import (
+from .sinks import (
                             FileSink,
                             FrameSink,
                             LoggingSink,
@@ -20,8 +20,8 @@ from consumer.sinks import (
                             summarize,
                             tap_to,
 )
-from consumer.stream import StreamFormatError, StreamReader, StreamWriter, TapRecord, read_records
-from consumer.tensorboard import TensorBoardSink
+from .stream import StreamFormatError, StreamReader, StreamWriter, TapRecord, read_records
+from .tensorboard import TensorBoardSink
 
 __all__ = [
                             "FileSink",

@@ -1,30 +1,34 @@
-"""python -m consumer: collect streams, and read them (tail, stats, plot).
+"""hostcallback-consumer (or python -m hostcallback.consumer): collect record streams, and read
+them (tail, stats, plot).
 
   collect --port P --out DIR        gather streams from many processes into DIR/<run>.hcbs
                                     (--port 0: a free port; it prints its address)
-  tail FILE [-n N] [--follow]       print records as id_print would (the last N with -n;
-                                    --follow follows rotation)
+  tail FILE [-n N] [--follow]       print records as id_print would, large arrays summarised
+       [--name N] [--full]          (--name: only these series, globs; --full: every element)
   stats FILE...                     per-series count, mean, min, max, last; per source too
   plot FILE... --name N -o OUT      line charts of scalar series against step, one line per
                                     source; --name repeats and takes globs (needs matplotlib)
 
 A FILE stands for the stream and its rotated files (FILE.1, FILE.2, ...), read oldest first.
 
-`python -m consumer COMMAND --help` describes every option.
+`hostcallback-consumer COMMAND --help` describes every option.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import fnmatch
 import os
 import sys
+from collections.abc import Iterable, Iterator
 
-from consumer.collector import add_collect_arguments, collect_command
-from consumer.plotting import plot
-from consumer.series import source_of
-from consumer.sinks import StatsSink, format_table
-from consumer.stream import (
+from .cli_messages import PROG, complain
+from .collector import add_collect_arguments, collect_command
+from .plotting import plot
+from .series import source_of
+from .sinks import StatsSink, format_table
+from .stream import (
     StreamFormatError,
     TapRecord,
     follow_records,
@@ -35,7 +39,11 @@ from consumer.stream import (
 from hostcallback.printing import format_metadata, format_value
 
 
-def format_record(record: TapRecord) -> str:
+# Arrays with more elements than this print as one line of statistics unless --full is given.
+SUMMARIZE_ABOVE = 16
+
+
+def format_record(record: TapRecord, full: bool = True) -> str:
     fields = dict(record.metadata)
     fields["name"] = record.name
     if record.step is not None:
@@ -43,28 +51,44 @@ def format_record(record: TapRecord) -> str:
     if record.source:
         fields["source"] = record.source
     header = format_metadata(fields, tuple(record.transforms), record.device or None)
-    return header + "\n" + format_value(record.value)
+    return header + "\n" + format_value(record.value,
+                                         summarize_above=None if full else SUMMARIZE_ABOVE)
+
+
+def named(records: Iterable[TapRecord], names: list[str] | None) -> Iterator[TapRecord]:
+    """The records whose name matches one of ``names`` (globs); all of them without names."""
+    for record in records:
+        if not names or any(fnmatch.fnmatchcase(record.name, name) for name in names):
+            yield record
 
 
 def tail(path: str, follow: bool, poll_seconds: float = 0.2, out=sys.stdout,
-         last: int | None = None) -> None:
-    """Prints a stream's records, oldest first; with ``last``, only the last ``last`` there are
-    now. ``follow`` then prints every new record as it is written, across rotations."""
+         last: int | None = None, names: list[str] | None = None, full: bool = True) -> int:
+    """Prints a stream's records (those named ``names``, globs), oldest first; with ``last``,
+    only the last ``last`` there are now. ``follow`` then prints every new record as it is
+    written, across rotations. Returns how many it printed."""
+    printed = 0
+
+    def show(record: TapRecord) -> None:
+        nonlocal printed
+        print(format_record(record, full), file=out, flush=True)
+        printed += 1
+
     if not follow:
-        records = read_stream(path)
+        records = named(read_stream(path), names)
         for record in records if last is None else collections.deque(records, maxlen=last):
-            print(format_record(record), file=out, flush=True)
-        return
+            show(record)
+        return printed
     if last is None:
-        for record in follow_records(path, poll_seconds):
-            print(format_record(record), file=out, flush=True)
-        return
+        for record in named(follow_records(path, poll_seconds), names):
+            show(record)
+        return printed
     # The last `last` records there are now, counted as the non-follow branch does (rotated files
     # too): the rotated files read whole, then the current file up to where the follower first
     # reaches the end of its data. What the follower yields after that is new.
     backlog: collections.deque[TapRecord] = collections.deque(maxlen=last)
     for name in stream_files(path)[:-1]:
-        backlog.extend(read_records(name))
+        backlog.extend(named(read_records(name), names))
     caught_up = False
 
     def at_end() -> bool:
@@ -72,25 +96,28 @@ def tail(path: str, follow: bool, poll_seconds: float = 0.2, out=sys.stdout,
         if not caught_up:
             caught_up = True
             for record in backlog:
-                print(format_record(record), file=out, flush=True)
+                show(record)
         return False  # follow on
 
-    for record in follow_records(path, poll_seconds, should_stop=at_end):
+    for record in named(follow_records(path, poll_seconds, should_stop=at_end), names):
         if caught_up:
-            print(format_record(record), file=out, flush=True)
+            show(record)
         else:
             backlog.append(record)
+    return printed
 
 
 def stats(paths: str | list[str]) -> str:
     """The per-series table over all records, then, when records come from more than one
-    source (process/device), the same table per source."""
+    source (process/device), the same table per source; a line saying so when there are none."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
     merged, per_source = StatsSink(), collections.defaultdict(StatsSink)
     for path in paths:
         for record in read_stream(path):
             merged.emit(record)
             per_source[source_of(record)].emit(record)
+    if not per_source:
+        return f"no records in {' '.join(map(str, paths))}"
     text = format_table(merged.summary())
     if len(per_source) > 1:
         rows = sorted((name, source, row) for source, sink in per_source.items()
@@ -115,21 +142,29 @@ def _version() -> str:
 
 
 def _smoothing(text: str) -> float:
-    weight = float(text)
+    try:
+        weight = float(text)
+    except ValueError:
+        weight = float("nan")
     if not 0.0 <= weight < 1.0:
-        raise argparse.ArgumentTypeError(f"{text} is not in [0, 1): 0 is no smoothing, 0.9 much")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number in [0, 1): 0 is no "
+                                         "smoothing, 0.9 much")
     return weight
 
 
 def _count(text: str) -> int:
-    count = int(text)
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
     if count < 0:
-        raise argparse.ArgumentTypeError(f"{text} is negative: give how many records to show")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0: give how many "
+                                         "records to show")
     return count
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m consumer", description=__doc__,
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=_version())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -146,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     tail_parser.add_argument("-n", "--lines", type=_count, metavar="N",
                              help="print only the last N records (with --follow: the last N, "
                              "then every new one)")
+    tail_parser.add_argument("--name", action="append", metavar="NAME",
+                             help="only records of this name, or a glob (train*); repeat for "
+                             "several")
+    tail_parser.add_argument("--full", action="store_true",
+                             help=f"print every element of arrays (default: arrays of more than "
+                             f"{SUMMARIZE_ABOVE} elements as dtype, shape, mean, min and max)")
     stats_parser = commands.add_parser("stats", help="per-series summary table",
                                        description="Count, mean, min, max and last of every "
                                        "scalar series, over all records and per source "
@@ -178,22 +219,28 @@ def run(args: argparse.Namespace) -> int:
         return collect_command(args)
     if args.command == "tail":
         try:
-            tail(args.file, args.follow, last=args.lines)
+            printed = tail(args.file, args.follow, last=args.lines, names=args.name,
+                           full=args.full)
         except KeyboardInterrupt:
-            pass
+            return 0
+        if not printed:
+            which = f" named {', '.join(args.name)}" if args.name else ""
+            complain("tail", f"no records{which} in {args.file}")
         return 0
     if args.command == "stats":
         print(stats(args.files))
         return 0
-    return plot(args.files, args.name, args.output, logy=args.logy, smoothing=args.smooth,
+    code = plot(args.files, args.name, args.output, logy=args.logy, smoothing=args.smooth,
                 overlay=args.overlay, title=args.title)
+    if code == 0:
+        print(f"wrote {args.output}")
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs a command; expected failures (a missing file, bytes that are not a stream, a reader
     that went away) end with one line on stderr and a non-zero exit code, never a traceback."""
     args = build_parser().parse_args(argv)
-    prog = "python -m consumer"
     try:
         return run(args)
     except BrokenPipeError:
@@ -204,13 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except StreamFormatError as error:
-        print(f"{prog} {args.command}: {_files(args)} is not a readable record stream: {error}",
-              file=sys.stderr)
+        complain(args.command, f"{_files(args)} is not a readable record stream: {error}")
         return 1
     except OSError as error:
         where = f": {error.filename}" if error.filename else ""
-        print(f"{prog} {args.command}: {error.strerror or error}{where}", file=sys.stderr)
+        complain(args.command, f"{error.strerror or error}{where}")
         return 1
+
 
 def _files(args: argparse.Namespace) -> str:
     return getattr(args, "file", None) or " ".join(getattr(args, "files", []))

@@ -38,7 +38,6 @@ import shutil
 import signal
 import socket
 import ssl
-import sys
 import threading
 import time
 import zlib
@@ -46,7 +45,8 @@ from typing import Any, BinaryIO
 
 import msgpack
 
-from consumer.stream import (
+from .cli_messages import complain
+from .stream import (
     ACK,
     FORMAT,
     FRAME,
@@ -621,7 +621,7 @@ class CollectorThread:
             self._thread.join(10)
 
 
-# ---- the command line: python -m consumer collect ----
+# ---- the command line: python -m hostcallback.consumer collect ----
 
 
 def add_collect_arguments(parser: argparse.ArgumentParser) -> None:
@@ -671,7 +671,7 @@ def collect_command(args: argparse.Namespace) -> int:
                                                      args.stall_seconds, args.idle_seconds))
         collector.check_bind(args.host)
     except (CollectorConfigError, OSError, ssl.SSLError) as error:
-        print(f"collect: {error}", file=sys.stderr)
+        complain("collect", str(error))
         return 2
 
     async def run() -> None:
@@ -697,8 +697,8 @@ def collect_command(args: argparse.Namespace) -> int:
         pass
     except OSError as error:
         what = "address already in use" if error.errno in (98, 48) else error.strerror or error
-        print(f"collect: cannot listen on {args.host}:{args.port}: {what} (another collector? "
-              "pick another --port, or --port 0 for a free one)", file=sys.stderr)
+        complain("collect", f"cannot listen on {args.host}:{args.port}: {what} (another "
+                 "collector? pick another --port, or --port 0 for a free one)")
         return 1
     print(f"collector stopped: {collector.counts()}", flush=True)
     return 0

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from jax import tree_util
 
-from consumer.stream import TapRecord, encode_value, frame_item, pack
+from .stream import TapRecord, encode_value, frame_item, pack
 from hostcallback._native import outfeed
 from hostcallback.batches import RecordBatch
 

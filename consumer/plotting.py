@@ -1,4 +1,4 @@
-"""``python -m consumer plot``: line charts of scalar series from record streams (matplotlib).
+"""``python -m hostcallback.consumer plot``: line charts of scalar series from record streams (matplotlib).
 
 One panel per series (or all in one with ``overlay``), one line per source (process/device), a
 log scale and TensorBoard-style smoothing on request. matplotlib is imported only here, only
@@ -8,12 +8,12 @@ when a plot is drawn (the ``plot`` extra); it never runs on a receiver thread.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Sequence
 
 import numpy as np
 
-from consumer.series import read_series, select, smooth
+from .cli_messages import PROG, complain
+from .series import read_series, select, smooth
 
 
 def draw(plt, series: dict, chosen: list[str], *, logy: bool = False, smoothing: float = 0.0,
@@ -72,15 +72,15 @@ def plot(paths: str | os.PathLike | Sequence[str | os.PathLike],
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("plot needs matplotlib: pip install 'hostcallback[plot]'", file=sys.stderr)
+        complain("plot", "needs matplotlib: pip install 'hostcallback[plot]'")
         return 2
     series = read_series(paths)
     chosen = select(series, names)
     shown = " ".join(map(str, paths))
     if not chosen:
         missing = ", ".join(repr(n) for n in names)
-        print(f"no series named {missing} in {shown}; `python -m consumer stats {shown}` lists "
-              "them", file=sys.stderr)
+        complain("plot", f"no series named {missing} in {shown}; `{PROG} stats {shown}` lists "
+                 "them")
         return 1
     if not title and not overlay and len(chosen) > 1:
         title = os.path.basename(os.fspath(paths[0]))  # each panel names its series
@@ -90,12 +90,10 @@ def plot(paths: str | os.PathLike | Sequence[str | os.PathLike],
         figure.savefig(output, dpi=100)
     except ValueError as error:  # an image format matplotlib does not write
         formats = ", ".join(sorted(figure.canvas.get_supported_filetypes()))
-        print(f"plot: cannot write {output}: {error}; use one of these suffixes: {formats}",
-              file=sys.stderr)
+        complain("plot", f"cannot write {output}: {error}; use one of these suffixes: {formats}")
         return 1
     finally:
         plt.close(figure)
     if skipped:
-        print(f"plot: {skipped} values <= 0 cannot be shown on a log scale and were left out",
-              file=sys.stderr)
+        complain("plot", f"{skipped} values <= 0 cannot be shown on a log scale and were left out")
     return 0

@@ -38,8 +38,8 @@ import numpy as np
 from jax import lax
 
 import hostcallback
-from consumer.sinks import Sink, tap_to
-from consumer.stream import TapRecord
+from .sinks import Sink, tap_to
+from .stream import TapRecord
 from hostcallback.receiver import receivers
 
 

@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from consumer.sinks import scalar_series
-from consumer.stream import TapRecord, read_stream
+from .sinks import scalar_series
+from .stream import TapRecord, read_stream
 
 
 def source_of(record: TapRecord) -> str:

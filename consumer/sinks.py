@@ -30,8 +30,8 @@ import msgpack
 import numpy as np
 
 import hostcallback
-from consumer.frame_templates import FrameTemplate, make_template, step_of
-from consumer.stream import (
+from .frame_templates import FrameTemplate, make_template, step_of
+from .stream import (
     ACK,
     FRAME,
     HEARTBEAT,
@@ -46,6 +46,7 @@ from consumer.stream import (
     stream_header,
 )
 from hostcallback.batches import RecordBatch
+from hostcallback.printing import array_summary
 from hostcallback.receiver import receivers
 from hostcallback.record_context import current_record
 
@@ -326,11 +327,7 @@ def summarize(value: Any, max_items: int = 8) -> str:
     array = np.asarray(value)
     if array.size <= max_items:
         return np.array2string(array, separator=", ") if array.ndim else str(array)
-    if np.issubdtype(array.dtype, np.number) and not np.iscomplexobj(array):
-        as_float = array.astype(np.float64)
-        return (f"{array.dtype}{list(array.shape)} mean={as_float.mean():.6g} "
-                f"min={as_float.min():.6g} max={as_float.max():.6g}")
-    return f"{array.dtype}{list(array.shape)}"
+    return array_summary(array)
 
 
 class LoggingSink(Sink):

@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from consumer.sinks import Sink
-from consumer.stream import TapRecord
+from .sinks import Sink
+from .stream import TapRecord
 from hostcallback.receiver import receivers
 
 logger = logging.getLogger("hostcallback.tensorboard")

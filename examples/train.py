@@ -9,7 +9,7 @@ data. Nothing in the step waits for the host. Run it with::
     pip install '.[examples]'
     python examples/train.py --steps 2000 --out runs/example
     tensorboard --logdir runs/example/tb          # if TensorBoard is installed
-    python -m consumer stats runs/example/train.hcbs
+    python -m hostcallback.consumer stats runs/example/train.hcbs
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import numpy as np
 import optax
 
 import hostcallback as hcb
-from consumer import FileSink, ProgressSink, TensorBoardSink, tap_to
-from consumer.plotting import plot
+from hostcallback.consumer import FileSink, ProgressSink, TensorBoardSink, tap_to
+from hostcallback.consumer.plotting import plot
 
 
 def make_data(key, w, samples: int):
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"{args.steps} steps in {computed:.2f} s; held-out loss "
           f"{float(loss_fn(params, *held_out)):.4f}")
-    print(f"record stream:   {stream_path}   (python -m consumer stats {stream_path})")
+    print(f"record stream:   {stream_path}   (python -m hostcallback.consumer stats {stream_path})")
     print(f"TensorBoard:     tensorboard --logdir {tb_dir}")
     plot_path = os.path.join(args.out, "curves.png")
     if plot([stream_path], ["train.loss", "eval.loss", "train.grad_norm"], plot_path,

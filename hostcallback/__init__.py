@@ -11,6 +11,7 @@ older than the oldest supported is refused then (hostcallback._jax), not at plug
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 from hostcallback import config
@@ -36,6 +37,14 @@ if TYPE_CHECKING:
     )
 
 __version__ = "0.1.0"
+
+# hostcallback.consumer is the repository's consumer/ folder, installed inside this package. Run
+# from a source checkout (which shadows the installed package), it is found beside this one.
+if not os.path.isdir(os.path.join(__path__[0], "consumer")):
+    _checkout = os.path.dirname(__path__[0])
+    if os.path.isfile(os.path.join(_checkout, "consumer", "__init__.py")):
+        __path__.append(_checkout)
+
 
 __all__ = [
     "CallbackException",

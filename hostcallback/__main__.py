@@ -1,4 +1,4 @@
-"""``python -m hostcallback demo``: runs the demo training loop."""
+"""hostcallback demo (or python -m hostcallback demo): runs the demo training loop."""
 
 from __future__ import annotations
 

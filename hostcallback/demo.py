@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import hostcallback as hcb
-from consumer import FileSink, Sink, tap_to
-from consumer.__main__ import plot
+from hostcallback.consumer import FileSink, Sink, tap_to
+from hostcallback.consumer.__main__ import plot
 
 
 def make_data(key, samples: int = 512, features: int = 16):
@@ -87,7 +87,7 @@ def run(steps: int = 200, out_dir: str = "hostcallback-demo") -> ProgressPrinter
     stream.close()
     print(f"{steps} steps computed in {computed:.2f} s; {printer.lines} steps reported; "
           f"final loss {float(loss_fn(params, x, y)):.5f}")
-    print(f"record stream: {stream_path}  (python -m consumer stats {stream_path})")
+    print(f"record stream: {stream_path}  (python -m hostcallback.consumer stats {stream_path})")
     plot_path = os.path.join(out_dir, "loss.png")
     if plot(stream_path, "train.loss", plot_path) == 0:
         print(f"loss plot: {plot_path}")

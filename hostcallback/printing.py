@@ -17,17 +17,34 @@ import numpy as np
 DEFAULT_THRESHOLD = 1024
 
 
-def format_value(value: Any, threshold: int = DEFAULT_THRESHOLD) -> str:
+def format_value(value: Any, threshold: int = DEFAULT_THRESHOLD,
+                 summarize_above: int | None = None) -> str:
+    """The value as id_print shows it; arrays of more than ``summarize_above`` elements (when
+    given) as one line of statistics instead (``array_summary``)."""
+    def fmt(v: Any) -> str:
+        return format_value(v, threshold, summarize_above)
+
     if isinstance(value, tuple):
-        return "( " + " ".join(format_value(v, threshold) for v in value) + " )"
+        return "( " + " ".join(fmt(v) for v in value) + " )"
     if isinstance(value, list):
-        return "[ " + " ".join(format_value(v, threshold) for v in value) + " ]"
+        return "[ " + " ".join(fmt(v) for v in value) + " ]"
     if isinstance(value, dict):
-        items = " ".join(f"{k}={format_value(v, threshold)}" for k, v in sorted(value.items()))
-        return "{ " + items + " }"
+        return "{ " + " ".join(f"{k}={fmt(v)}" for k, v in sorted(value.items())) + " }"
     if isinstance(value, np.ndarray):
+        if summarize_above is not None and value.size > summarize_above:
+            return array_summary(value)
         return np.array2string(value, threshold=threshold)
     return str(value)
+
+
+def array_summary(array: np.ndarray) -> str:
+    """``float32[10, 32] mean=0.5 min=0 max=1``: dtype and shape, and the statistics of a real
+    numeric array."""
+    if np.issubdtype(array.dtype, np.number) and not np.iscomplexobj(array) and array.size:
+        as_float = array.astype(np.float64)
+        return (f"{array.dtype}{list(array.shape)} mean={as_float.mean():.6g} "
+                f"min={as_float.min():.6g} max={as_float.max():.6g}")
+    return f"{array.dtype}{list(array.shape)}"
 
 
 def legacy_transform(transform: tuple) -> Any:

@@ -20,7 +20,7 @@ jax.distributed.initialize(coordinator_address=f"127.0.0.1:{coordinator_port}",
                            num_processes=2, process_id=process_id)
 
 import hostcallback as hcb
-from consumer import SinkTap, SocketSink
+from hostcallback.consumer import SinkTap, SocketSink
 
 assert (jax.device_count(), jax.local_device_count()) == (4, 2)
 mesh = jax.make_mesh((4,), ("d",))

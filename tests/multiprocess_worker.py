@@ -22,7 +22,7 @@ jax.distributed.initialize(coordinator_address=f"127.0.0.1:{coordinator_port}",
                            num_processes=2, process_id=process_id)
 
 import hostcallback as hcb
-from consumer import SocketSink, tap_to
+from hostcallback.consumer import SocketSink, tap_to
 
 assert (jax.device_count(), jax.local_device_count()) == (4, 2)
 mesh = jax.make_mesh((4,), ("devices",))

@@ -1,4 +1,4 @@
-"""python -m consumer: version, help, tail -n, stats and plot per source, and clean failures."""
+"""hostcallback-consumer: version, help, tail -n, stats and plot per source, and clean failures."""
 
 import argparse
 import os
@@ -9,18 +9,18 @@ import matplotlib
 import numpy as np
 import pytest
 
-from consumer import TapRecord, stream
-from consumer.__main__ import build_parser
-from consumer.plotting import draw
-from consumer.series import read_series, select, smooth
+from hostcallback.consumer import TapRecord, stream
+from hostcallback.consumer.__main__ import build_parser
+from hostcallback.consumer.plotting import draw
+from hostcallback.consumer.series import read_series, select, smooth
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
 def cli(*args, **kwargs):
-    return subprocess.run([sys.executable, "-m", "consumer", *args], capture_output=True,
-                          text=True, timeout=120, check=False, **kwargs)
+    return subprocess.run([sys.executable, "-m", "hostcallback.consumer", *args],
+                          capture_output=True, text=True, timeout=120, check=False, **kwargs)
 
 
 def record(step, device_id, loss, name="train", **extra):
@@ -65,7 +65,7 @@ def test_tail_n_prints_only_the_last_records(two_devices):
 def _tail_follow(path, last: int, lines: int, then=None, then_lines: int = 0):
     """Runs ``tail -n LAST -f PATH``: reads ``lines`` lines, calls ``then()``, reads
     ``then_lines`` more; returns both lists."""
-    follower = subprocess.Popen([sys.executable, "-m", "consumer", "tail", "-n", str(last), "-f",
+    follower = subprocess.Popen([sys.executable, "-m", "hostcallback.consumer", "tail", "-n", str(last), "-f",
                                  str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 text=True)
     try:
@@ -86,7 +86,7 @@ def _emit_step(sink, step: int) -> None:
 
 @pytest.mark.timeout(60)
 def test_tail_n_with_follow_prints_the_last_records_then_new_ones(tmp_path):
-    from consumer import FileSink
+    from hostcallback.consumer import FileSink
 
     sink = FileSink(tmp_path / "grow.hcbs")
     for s in range(5):
@@ -171,7 +171,7 @@ def test_cli_plot_writes_a_png_of_several_series_from_a_glob(two_devices, tmp_pa
 def test_cli_refuses_a_smoothing_weight_out_of_range(two_devices, tmp_path):
     result = cli("plot", str(two_devices), "--name", "train.loss", "--smooth", "1.5", "-o",
                  str(tmp_path / "x.png"))
-    assert result.returncode == 2 and "is not in [0, 1)" in result.stderr
+    assert result.returncode == 2 and "is not a number in [0, 1)" in result.stderr
 
 
 @pytest.mark.parametrize("command", [["tail"], ["stats"], ["plot", "--name", "x", "-o", "x.png"]])
@@ -180,7 +180,7 @@ def test_a_missing_file_is_one_line_on_stderr_and_exit_code_1(command, tmp_path)
     result = cli(command[0], missing, *command[1:])
     assert result.returncode == 1
     assert result.stderr.splitlines() == [
-        f"python -m consumer {command[0]}: No such file or directory: {missing}"]
+        f"hostcallback-consumer {command[0]}: No such file or directory: {missing}"]
 
 
 @pytest.mark.parametrize("command", ["tail", "stats"])
@@ -190,7 +190,7 @@ def test_garbage_input_is_one_line_on_stderr_and_exit_code_1(command, tmp_path):
     result = cli(command, str(garbage))
     assert result.returncode == 1
     (line,) = result.stderr.splitlines()
-    assert line.startswith(f"python -m consumer {command}: {garbage} is not a readable record "
+    assert line.startswith(f"hostcallback-consumer {command}: {garbage} is not a readable record "
                            "stream: ")
 
 
@@ -204,7 +204,7 @@ def test_a_directory_instead_of_a_file_is_one_line_on_stderr(tmp_path):
 def test_a_closed_pipe_stops_tail_quietly_with_a_non_zero_exit_code(tmp_path):
     path = tmp_path / "long.hcbs"
     path.write_bytes(stream.dumps([record(s, 0, 1.0) for s in range(20000)]))
-    tail = subprocess.Popen([sys.executable, "-m", "consumer", "tail", str(path)],
+    tail = subprocess.Popen([sys.executable, "-m", "hostcallback.consumer", "tail", str(path)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     tail.stdout.readline()
     tail.stdout.close()  # as `| head -1` does
@@ -218,12 +218,13 @@ def test_an_image_format_matplotlib_cannot_write_is_one_line_naming_the_formats(
     result = cli("plot", str(two_devices), "--name", "train.loss", "-o", str(tmp_path / "x.abc"))
     assert result.returncode == 1
     (line,) = result.stderr.splitlines()
-    assert line.startswith(f"plot: cannot write {tmp_path / 'x.abc'}") and "png" in line
+    assert line.startswith(f"hostcallback-consumer plot: cannot write {tmp_path / 'x.abc'}")
+    assert "png" in line
 
 
 @pytest.mark.timeout(60)
 def test_tail_n_with_follow_counts_the_rotated_files_too(tmp_path):
-    from consumer import FileSink
+    from hostcallback.consumer import FileSink
 
     path = tmp_path / "rotated.hcbs"
     sink = FileSink(path)
@@ -252,3 +253,66 @@ def test_tail_n_with_follow_past_a_damaged_length_prints_the_last_records(tmp_pa
     path.write_bytes(bytes(data))
     first, _ = _tail_follow(path, 2, 4)
     assert first[::2] == ["name: old step: 3", "name: old step: 4"]
+
+
+@pytest.mark.parametrize("args,what", [
+    (["tail", "-n", "abc", "f.hcbs"], "argument -n/--lines: 'abc' is not a whole number >= 0"),
+    (["plot", "f.hcbs", "--name", "x", "-o", "x.png", "--smooth", "much"],
+     "argument --smooth: 'much' is not a number in [0, 1)"),
+])
+def test_a_bad_number_says_which_argument_and_what_it_takes(args, what):
+    result = cli(*args)
+    assert result.returncode == 2 and what in result.stderr, result.stderr
+    assert "_count" not in result.stderr and "_smoothing" not in result.stderr
+
+
+def test_every_subcommands_messages_share_one_prefix(tmp_path, two_devices):
+    missing = str(tmp_path / "missing.hcbs")
+    failures = [cli("tail", missing), cli("stats", missing),
+                cli("plot", str(two_devices), "--name", "nope", "-o", str(tmp_path / "x.png")),
+                cli("collect", "--host", "0.0.0.0", "--port", "0", "--out", str(tmp_path))]
+    for command, result in zip(["tail", "stats", "plot", "collect"], failures):
+        assert result.stderr.startswith(f"hostcallback-consumer {command}: "), result.stderr
+
+
+def test_tail_summarises_large_arrays_and_prints_them_whole_with_full(tmp_path):
+    path = tmp_path / "big.hcbs"
+    path.write_bytes(stream.dumps([TapRecord(name="w", step=0,
+                                             value=np.ones((10, 32), np.float32))]))
+    brief = cli("tail", str(path))
+    assert brief.stdout.splitlines()[1] == "float32[10, 32] mean=1 min=1 max=1", brief.stdout
+    full = cli("tail", "--full", str(path))
+    assert len(full.stdout.splitlines()) > 10 and "mean=" not in full.stdout
+
+
+def test_tail_name_keeps_only_the_named_series(tmp_path):
+    path = tmp_path / "mixed.hcbs"
+    path.write_bytes(stream.dumps([record(0, 0, 1.0), record(0, 0, 2.0, name="eval"),
+                                   record(1, 0, 1.0)]))
+    result = cli("tail", "--name", "ev*", str(path))
+    assert result.stdout.splitlines()[0] == "device: TFRT_CPU_0 name: eval step: 0"
+    assert len(result.stdout.splitlines()) == 2  # one record: its header and its value
+    nothing = cli("tail", "--name", "nope", str(path))
+    assert nothing.returncode == 0
+    assert nothing.stderr == f"hostcallback-consumer tail: no records named nope in {path}\n"
+
+
+def test_an_empty_stream_says_it_holds_no_records(tmp_path):
+    path = tmp_path / "empty.hcbs"
+    path.write_bytes(b"")
+    assert cli("stats", str(path)).stdout == f"no records in {path}\n"
+    tail = cli("tail", str(path))
+    assert tail.returncode == 0 and tail.stdout == ""
+    assert tail.stderr == f"hostcallback-consumer tail: no records in {path}\n"
+
+
+def test_plot_says_where_it_wrote(two_devices, tmp_path):
+    out = tmp_path / "loss.png"
+    result = cli("plot", str(two_devices), "--name", "train.loss", "-o", str(out))
+    assert result.returncode == 0 and result.stdout == f"wrote {out}\n"
+
+
+def test_hostcallback_help_shows_no_markup():
+    result = subprocess.run([sys.executable, "-m", "hostcallback", "--help"], capture_output=True,
+                            text=True, timeout=120, check=False)
+    assert result.returncode == 0 and "``" not in result.stdout

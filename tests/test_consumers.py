@@ -17,7 +17,7 @@ from conftest import run_python
 from jax import lax
 
 import hostcallback as hcb
-from consumer import (
+from hostcallback.consumer import (
     FileSink,
     LoggingSink,
     SocketSink,
@@ -28,7 +28,7 @@ from consumer import (
     stream,
     tap_to,
 )
-from consumer.collector import CollectorThread
+from hostcallback.consumer.collector import CollectorThread
 
 
 def wait_until(predicate, timeout=20.0):
@@ -121,7 +121,7 @@ def test_file_sink_is_flushed_at_exit(tmp_path):
     result = run_python(f"""
         import jax
         from jax import lax
-        from consumer import FileSink, tap_to
+        from hostcallback.consumer import FileSink, tap_to
         sink = FileSink({str(path)!r})
         jax.jit(lambda x: lax.fori_loop(0, 25, lambda i, c: (tap_to([sink], i, name="i"), c)[1], x))(0)
         """, devices=1)
@@ -205,7 +205,7 @@ def test_collector_keeps_complete_records_from_a_client_that_disconnects_mid_rec
 
 
 def _consumer_cli(*args):
-    return subprocess.run([sys.executable, "-m", "consumer", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "hostcallback.consumer", *args], capture_output=True,
                           text=True, timeout=120, check=False)
 
 
@@ -253,7 +253,7 @@ def test_cli_collect_serves_until_stopped(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "consumer", "collect", "--port", str(port),
+    server = subprocess.Popen([sys.executable, "-m", "hostcallback.consumer", "collect", "--port", str(port),
                                "--out", str(tmp_path / "cli")])
     try:
         sink = SocketSink("127.0.0.1", port, run="cli")
@@ -295,7 +295,7 @@ def test_socket_sink_reconnects_when_the_collector_restarts(tmp_path):
 def test_cli_tail_follows_a_growing_file(tmp_path):
     path = tmp_path / "growing.hcbs"
     sink = FileSink(path)
-    follower = subprocess.Popen([sys.executable, "-m", "consumer", "tail", "--follow", str(path)],
+    follower = subprocess.Popen([sys.executable, "-m", "hostcallback.consumer", "tail", "--follow", str(path)],
                                 stdout=subprocess.PIPE, text=True)
     try:
         for i in range(3):

@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from consumer import read_records
+from hostcallback.consumer import read_records
 
 
 def test_demo_prints_every_step_and_writes_a_stream_and_a_plot(tmp_path):

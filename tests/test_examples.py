@@ -1,4 +1,5 @@
-"""examples/train.py trains briefly and leaves a stream, TensorBoard events, progress and a plot."""
+"""The examples run as documented: train.py trains briefly and leaves a stream, TensorBoard events,
+progress and a plot; pod_localhost.py runs a collector with a token and a 2-process JAX job."""
 
 import subprocess
 import sys
@@ -6,16 +7,16 @@ from pathlib import Path
 
 import pytest
 
-from consumer import read_records
-from consumer.tensorboard import event_files, read_events, read_scalars
+from hostcallback.consumer import read_records
+from hostcallback.consumer.tensorboard import event_files, read_events, read_scalars
 
-pytest.importorskip("optax", reason="the example needs the examples extra")
-
-EXAMPLE = Path(__file__).parent.parent / "examples" / "train.py"
+EXAMPLES = Path(__file__).parent.parent / "examples"
+EXAMPLE = EXAMPLES / "train.py"
 
 
 @pytest.mark.timeout(300)
 def test_the_training_example_feeds_every_sink(tmp_path):
+    pytest.importorskip("optax", reason="the example needs the examples extra")
     result = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "40", "--eval-every", "10",
                              "--out", str(tmp_path)], capture_output=True, text=True, timeout=280,
                             check=False)
@@ -34,3 +35,17 @@ def test_the_training_example_feeds_every_sink(tmp_path):
     progress = result.stderr.splitlines()
     assert progress[-1].startswith("train: 40/40 steps (100%)") and progress[-1].endswith("done")
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.timeout(300)
+def test_the_pod_example_gets_every_shard_of_every_process_to_the_collector_once(tmp_path):
+    result = subprocess.run([sys.executable, str(EXAMPLES / "pod_localhost.py"), "--processes",
+                             "2", "--steps", "10", "--out", str(tmp_path)], capture_output=True,
+                            text=True, timeout=280, check=False, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{tmp_path / 'pod.hcbs'}: 40 records, 40 distinct of 40 expected, 0 duplicates" in (
+        result.stdout)
+    records = list(read_records(tmp_path / "pod.hcbs"))
+    assert {r.source.rsplit("/", 1)[-1] for r in records} == {"p0", "p1"}
+    assert (tmp_path / "token").stat().st_mode & 0o077 == 0  # only the user reads the token
+    assert "token" not in " ".join(r.source for r in records)

@@ -1,4 +1,4 @@
-"""Frames put together in C++ for a batch (consumer.frame_templates) are byte for byte the
+"""Frames put together in C++ for a batch (hostcallback.consumer.frame_templates) are byte for byte the
 general encoder's, or are not used."""
 
 import ast
@@ -17,9 +17,9 @@ from conftest import run_python
 from jax import lax, tree_util
 
 import hostcallback as hcb
-from consumer import FileSink, SinkTap, tap_to
-from consumer.frame_templates import make_template, step_of
-from consumer.stream import TapRecord, frame_item, read_records, read_stream, stream_files
+from hostcallback.consumer import FileSink, SinkTap, tap_to
+from hostcallback.consumer.frame_templates import make_template, step_of
+from hostcallback.consumer.stream import TapRecord, frame_item, read_records, read_stream, stream_files
 from hostcallback._native import outfeed
 from hostcallback.batches import RecordBatch
 from hostcallback.registry import Consumer

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from consumer import read_records
-from consumer.collector import CollectorThread
+from hostcallback.consumer import read_records
+from hostcallback.consumer.collector import CollectorThread
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")
 STEPS = 50

@@ -6,10 +6,13 @@ import importlib.resources
 import importlib.util
 import pathlib
 
+import subprocess
+import sys
+
 import pytest
 
-import consumer
 import hostcallback
+import hostcallback.consumer
 
 
 def test_the_compiled_core_lives_inside_the_package():
@@ -38,13 +41,13 @@ def test_metadata_has_classifiers_and_keywords():
 
 @pytest.mark.parametrize("script,target", [
     ("hostcallback", "hostcallback.__main__:main"),
-    ("hostcallback-consumer", "consumer.__main__:main")])
+    ("hostcallback-consumer", "hostcallback.consumer.__main__:main")])
 def test_console_scripts_are_installed(script, target):
     (entry,) = importlib.metadata.entry_points(group="console_scripts", name=script)
     assert entry.value == target
 
 
-def test_hostcallback_consumer_is_python_m_consumer(capsys):
+def test_hostcallback_consumer_is_python_m_hostcallback_consumer(capsys):
     (entry,) = importlib.metadata.entry_points(group="console_scripts",
                                                name="hostcallback-consumer")
     with pytest.raises(SystemExit) as info:
@@ -53,7 +56,23 @@ def test_hostcallback_consumer_is_python_m_consumer(capsys):
     assert "tail" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("package", [hostcallback, consumer])
+def test_a_users_own_consumer_module_does_not_shadow_ours(tmp_path):
+    (tmp_path / "consumer.py").write_text("raise SystemExit('the user\\'s consumer.py ran')\n")
+    cli = subprocess.run([sys.executable, "-m", "hostcallback.consumer", "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert cli.returncode == 0 and "tail" in cli.stdout, cli.stderr
+    imported = subprocess.run(
+        [sys.executable, "-c", "from hostcallback.consumer import tap_to, FileSink; print('ok')"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert imported.stdout == "ok\n", imported.stderr
+
+
+def test_the_install_has_no_top_level_consumer_package():
+    files = importlib.metadata.files("hostcallback") or []
+    assert [str(f) for f in files if f.parts[0] == "consumer"] == []
+
+
+@pytest.mark.parametrize("package", [hostcallback, hostcallback.consumer])
 def test_no_docstring_or_message_points_to_a_docs_file(package):
     """docs/ is not installed; code names a document by its title instead."""
     root = pathlib.Path(package.__file__).parent

@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 import hostcallback as hcb
-from consumer import (
+from hostcallback.consumer import (
     ProgressSink,
     Sink,
     loop_progress,
@@ -203,7 +203,7 @@ def test_a_pmap_loop_run_twice_gives_two_bars(tmp_path):
 
 
 def _record(step, device_id=-1):
-    from consumer import TapRecord
+    from hostcallback.consumer import TapRecord
 
     return TapRecord(name="x", step=step, device_id=device_id, value={"loss": np.float32(0.5)})
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import hostcallback as hcb
-from consumer import FileSink, SocketSink, stream, tap_to
-from consumer.collector import CollectorThread
-from consumer.sinks import FrameSink, Sink, SinkTap, scalar_series
-from consumer.stream import RecordFramer, TapRecord, frame_item, read_records
+from hostcallback.consumer import FileSink, SocketSink, stream, tap_to
+from hostcallback.consumer.collector import CollectorThread
+from hostcallback.consumer.sinks import FrameSink, Sink, SinkTap, scalar_series
+from hostcallback.consumer.stream import RecordFramer, TapRecord, frame_item, read_records
 
 
 def test_to_map_writes_every_field_of_a_record():

@@ -12,8 +12,8 @@ import pytest
 from conftest import run_python
 
 import hostcallback as hcb
-from consumer import SocketSink, TapRecord, tap_to
-from consumer.stream import ACK, REASON, REFUSED
+from hostcallback.consumer import SocketSink, TapRecord, tap_to
+from hostcallback.consumer.stream import ACK, REASON, REFUSED
 
 
 def dead_port() -> int:
@@ -74,7 +74,7 @@ def test_exit_is_bounded_by_the_exit_timeout_with_an_unreachable_collector():
     port = dead_port()
     result = run_python(f"""
         import jax
-        from consumer import SocketSink, tap_to
+        from hostcallback.consumer import SocketSink, tap_to
         sink = SocketSink("127.0.0.1", {port}, run="nobody")
         jax.jit(lambda x: tap_to([sink], x, name="x"))(1.0)
         print("dispatched", flush=True)

@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from consumer import TapRecord, read_records, stream
+from hostcallback.consumer import TapRecord, read_records, stream
 
 
 def _read_back(value):

@@ -10,8 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from consumer import FileSink, TapRecord, read_records, stream
-from consumer.stream import SkippedRange, follow_records, read_stream, stream_files
+from hostcallback.consumer import FileSink, TapRecord, read_records, stream
+from hostcallback.consumer.stream import SkippedRange, follow_records, read_stream, stream_files
 
 RECORDS = [TapRecord(name="x", step=i, value=np.arange(i + 1)) for i in range(10)]
 
@@ -178,7 +178,7 @@ def test_cli_tail_of_a_damaged_file_reports_the_range_and_prints_the_rest(tmp_pa
     data[offset_of_record(data, 4) + 20] ^= 0xFF
     path = tmp_path / "damaged.hcbs"
     path.write_bytes(bytes(data))
-    result = subprocess.run([sys.executable, "-m", "consumer", "tail", str(path)],
+    result = subprocess.run([sys.executable, "-m", "hostcallback.consumer", "tail", str(path)],
                             capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0 and "Traceback" not in result.stderr
     assert result.stdout.count("name: x") == 9

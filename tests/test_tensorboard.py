@@ -10,8 +10,8 @@ import pytest
 from conftest import run_python
 
 import hostcallback as hcb
-from consumer import TapRecord, TensorBoardSink, tap_to
-from consumer.tensorboard import event_files, read_events, read_scalars
+from hostcallback.consumer import TapRecord, TensorBoardSink, tap_to
+from hostcallback.consumer.tensorboard import event_files, read_events, read_scalars
 
 
 def test_scalars_are_tagged_by_tap_name_and_path_at_the_tapped_step(tmp_path):
@@ -65,7 +65,7 @@ def test_events_are_on_disk_after_barrier_wait(tmp_path):
 def test_events_are_written_at_exit(tmp_path):
     result = run_python(f"""
         import jax
-        from consumer import TensorBoardSink, tap_to
+        from hostcallback.consumer import TensorBoardSink, tap_to
         sink = TensorBoardSink({str(tmp_path)!r})
         jax.jit(lambda: tap_to([sink], {{"step": 2, "loss": 0.5}}, name="train"))()
     """)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hostcallback as hcb
-from consumer import StreamFormatError, StreamReader, TapRecord, stream
+from hostcallback.consumer import StreamFormatError, StreamReader, TapRecord, stream
 from hostcallback import wire
 from hostcallback._native import outfeed
 

@@ -81,3 +81,12 @@ def test_no_docstring_or_message_points_to_a_docs_file(package):
                  for number, line in enumerate(path.read_text().splitlines(), 1)
                  if "docs/" in line]
     assert offenders == []
+
+
+def test_the_build_directory_is_kept_per_python_and_platform():
+    """Installing again with --no-build-isolation (extras added later) reuses the compiled core:
+    5 s instead of about 30 s on this project's CI machine."""
+    import tomllib
+
+    settings = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert settings["tool"]["scikit-build"]["build-dir"] == "build/{wheel_tag}"

@@ -66,6 +66,13 @@ _SUMMARY_SECONDS = 1.0  # repeated failures of one consumer are summarised at mo
 _DRAIN_RETRY_SECONDS = 0.05
 _BARRIER_SHARE = 0.8  # of stop()'s (and so of exit's) one deadline
 _EXIT_NOTICE_SECONDS = 3.0  # exit says what it waits for once it has waited this long
+
+
+def _ended_by_ctrl_c() -> bool:
+    """The program is ending on an uncaught KeyboardInterrupt (Python sets sys.last_type when it
+    prints an uncaught exception, before the exit handlers run)."""
+    last = getattr(sys, "last_type", None)
+    return isinstance(last, type) and issubclass(last, KeyboardInterrupt)
 _ABANDON_JOIN_SECONDS = 1.0  # after a second Ctrl-C, how long exit waits for each receiver
 # The portable barrier's fence computations tap marker + 2 (and + 3): values of its own, which
 # fit in uint32 (a marker travels as uint32 when x64 is off) and no barrier waits for.
@@ -314,8 +321,10 @@ class ReceiverPool:
         timeout = config.settings.exit_timeout_s
         start = time.monotonic()
         deadline = start + timeout
+        # After a Ctrl-C the user is waiting to leave: say at once what is left and how to skip it.
+        notice_after = 0.0 if _ended_by_ctrl_c() else _EXIT_NOTICE_SECONDS
         try:
-            undelivered = self.stop(timeout=timeout, notice_after=_EXIT_NOTICE_SECONDS)
+            undelivered = self.stop(timeout=timeout, notice_after=notice_after)
         except KeyboardInterrupt:
             left = self._abandon()
             sys.stderr.write(f"hostcallback: exit without the {left} queued tap record(s) "

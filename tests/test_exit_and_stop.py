@@ -153,3 +153,45 @@ def test_a_long_exit_says_what_it_waits_for_and_ctrl_c_leaves_quietly():
     assert any(line.startswith("hostcallback: delivering ") for line in lines)
     assert "hostcallback: exit without the " in rest and "queued tap record(s) (Ctrl-C)" in rest
     assert "Traceback" not in rest and "Exception ignored" not in rest
+
+
+def test_after_a_ctrl_c_exit_says_at_once_what_is_left_and_a_second_leaves_quietly():
+    import os
+    import signal
+    import subprocess
+    import sys
+    import re
+    import textwrap
+    import time
+
+    code = textwrap.dedent("""
+        import signal, sys, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive run has it
+        import jax
+        import hostcallback as hcb
+        def slow(arg, transforms):
+            time.sleep(0.5)
+        jax.jit(lambda x: jax.lax.fori_loop(0, 40, lambda i, c: hcb.id_tap(slow, i), x))(0)
+        print("dispatched", file=sys.stderr, flush=True)
+        time.sleep(60)  # the user presses Ctrl-C here
+        """)
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    child = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
+                             env=env)
+    lines = []
+    for line in child.stderr:
+        lines.append(line)
+        if line == "dispatched\n":
+            child.send_signal(signal.SIGINT)
+            interrupted = time.monotonic()
+        if "before exit; press Ctrl-C to leave without them" in line:
+            said_after = time.monotonic() - interrupted
+            child.send_signal(signal.SIGINT)
+            break
+    rest = child.stderr.read()
+    # Python ends a program that a Ctrl-C stopped by that signal once its exit handlers are done.
+    assert child.wait(timeout=60) == -signal.SIGINT, "".join(lines) + rest
+    assert said_after < 2.0  # not the 3 s an exit without Ctrl-C waits before saying it
+    assert re.fullmatch(r"hostcallback: exit without the \d+ queued tap record\(s\) \(Ctrl-C\)\n",
+                        rest), rest

@@ -107,9 +107,9 @@ def tail(path: str, follow: bool, poll_seconds: float = 0.2, out=sys.stdout,
     return printed
 
 
-def stats(paths: str | list[str]) -> str:
+def stats(paths: str | list[str]) -> str | None:
     """The per-series table over all records, then, when records come from more than one
-    source (process/device), the same table per source; a line saying so when there are none."""
+    source (process/device), the same table per source; None when there are no records."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
     merged, per_source = StatsSink(), collections.defaultdict(StatsSink)
     for path in paths:
@@ -117,7 +117,7 @@ def stats(paths: str | list[str]) -> str:
             merged.emit(record)
             per_source[source_of(record)].emit(record)
     if not per_source:
-        return f"no records in {' '.join(map(str, paths))}"
+        return None
     text = format_table(merged.summary())
     if len(per_source) > 1:
         rows = sorted((name, source, row) for source, sink in per_source.items()
@@ -223,12 +223,16 @@ def run(args: argparse.Namespace) -> int:
                            full=args.full)
         except KeyboardInterrupt:
             return 0
-        if not printed:
+        if not printed and args.lines != 0:
             which = f" named {', '.join(args.name)}" if args.name else ""
             complain("tail", f"no records{which} in {args.file}")
         return 0
     if args.command == "stats":
-        print(stats(args.files))
+        table = stats(args.files)
+        if table is None:
+            complain("stats", f"no records in {' '.join(args.files)}")
+        else:
+            print(table)
         return 0
     code = plot(args.files, args.name, args.output, logy=args.logy, smoothing=args.smooth,
                 overlay=args.overlay, title=args.title)

@@ -17,10 +17,11 @@ For loops that run inside one computation there are two ways in:
 
 The bar closes when the last step arrives. ``progress_fori_loop`` and ``progress_scan`` close it
 before the loop's results are ready: their last report is followed by a ``call`` that waits until
-the sink has drawn it, so the bar's last line is out before the code after the computation
-prints (one host round trip per loop). Every other report is an ordinary tap, handled on the
-receiver threads without blocking the device. tqdm is needed only for a terminal (the
-``progress`` extra); this module never imports it otherwise.
+the bar is drawn, so its last line is out before the code after the computation prints. That is
+one host round trip per loop, and, as for any computation with a ``call``, dispatch on CPU waits
+for the computation. Every other report is an ordinary tap, handled on the receiver threads
+without blocking the device. tqdm is needed only for a terminal (the ``progress`` extra); this
+module never imports it otherwise.
 """
 
 from __future__ import annotations
@@ -277,35 +278,33 @@ def _check_steps(who: str, n: Any, every: int | None) -> int:
     return int(every)
 
 
-def _progress_tap(sink: Sink, name: str, step, carry, metrics):
-    """Reports ``step`` (and the metrics of ``carry``); returns the step as the tap passed it on."""
+def _progress_tap(sink: Sink, name: str, step, carry, metrics) -> None:
     payload = {"step": step}
     if metrics is not None:
         payload.update(metrics(carry))
-    return tap_to([sink], payload, name=name)["step"]
-
-
-def _report_only(sink: Sink, name: str, step, carry, metrics) -> None:
-    _progress_tap(sink, name, step, carry, metrics)
+    tap_to([sink], payload, name=name)
 
 
 class _DrawnBy:
-    """A call function that returns once ``sink`` has drawn what was tapped before it: the
-    receiver hands records of one device to their consumers in program order, so by the time
-    it runs the last report has been emitted; flushing puts its line out."""
+    """A call function that returns once a ProgressSink has drawn what was tapped before it:
+    records of one device reach their consumers in program order, so by the time it runs the
+    loop's last report has been emitted; flushing puts its line out. Other sinks are not
+    flushed here (a SocketSink's flush could keep the device waiting on the network)."""
 
     def __init__(self, sink: Sink) -> None:
         self.sink = sink
         self.__name__ = f"progress bar of {type(sink).__name__}"
 
     def __call__(self, step) -> None:
-        self.sink.flush()
+        if isinstance(self.sink, ProgressSink):
+            self.sink.flush()
 
 
-def _wait_until_drawn(sink: Sink, last_reported_step) -> None:
-    """A call after the loop's last report that the computation waits for until the sink has
-    drawn it; its argument is that tap's output, so it cannot run before the tap."""
-    hostcallback.call(_DrawnBy(sink), last_reported_step)
+def _wait_until_drawn(sink: Sink, last_step) -> None:
+    """A call after the loop's last report that the computation waits for until the bar is
+    drawn. Taps and calls keep program order; ``last_step``, counted inside the loop, keeps XLA
+    from running the call before the loop has run."""
+    hostcallback.call(_DrawnBy(sink), last_step)
 
 
 def _loop_sink(n: int, desc: str | None, sink: Sink | None, file: TextIO | None) -> Sink:
@@ -330,7 +329,7 @@ def loop_progress(n: int, *, every: int | None = None, desc: str | None = None,
         def body_with_progress(i, carry):
             carry = body(i, carry)
             report = ((i + 1) % every == 0) | (i + 1 == n)
-            lax.cond(report, lambda: _report_only(sink, name, i, carry, metrics), lambda: None)
+            lax.cond(report, lambda: _progress_tap(sink, name, i, carry, metrics), lambda: None)
             return carry
 
         body_with_progress.progress_sink = sink
@@ -357,7 +356,7 @@ def scan_progress(n: int, *, every: int | None = None, desc: str | None = None,
             i = x[0] if isinstance(x, tuple) else x
             carry, y = f(carry, x)
             report = ((i + 1) % every == 0) | (i + 1 == n)
-            lax.cond(report, lambda: _report_only(sink, name, i, carry, metrics), lambda: None)
+            lax.cond(report, lambda: _progress_tap(sink, name, i, carry, metrics), lambda: None)
             return carry, y
 
         f_with_progress.progress_sink = sink
@@ -391,19 +390,20 @@ def progress_fori_loop(lower: int, upper: int, body: Callable, init: Any, *,
         carry, _ = carry_and_step
         return body(i, carry), i - lower
 
-    def chunk(c, carry_and_reported):
+    def chunk(c, carry_and_step):
         start = lower + c * every
-        carry, step = lax.fori_loop(start, start + every, counted, (carry_and_reported[0], 0))
-        return carry, _progress_tap(sink, name, step, carry, metrics)
+        carry, step = lax.fori_loop(start, start + every, counted, (carry_and_step[0], 0))
+        _progress_tap(sink, name, step, carry, metrics)
+        return carry, jnp.int32(step)  # int32 whatever the index type (jax_enable_x64)
 
-    carry, reported = init, jnp.int32(-1)
+    carry, last_step = init, jnp.int32(-1)
     if chunks:
-        carry, reported = lax.fori_loop(0, chunks, chunk, (carry, reported))
+        carry, last_step = lax.fori_loop(0, chunks, chunk, (carry, last_step))
     if rest:
-        carry, step = lax.fori_loop(upper - rest, upper, counted, (carry, 0))
-        reported = _progress_tap(sink, name, step, carry, metrics)
+        carry, last_step = lax.fori_loop(upper - rest, upper, counted, (carry, 0))
+        _progress_tap(sink, name, last_step, carry, metrics)
     if n > 0:
-        _wait_until_drawn(sink, reported)
+        _wait_until_drawn(sink, last_step)
     return carry
 
 
@@ -434,7 +434,8 @@ def progress_scan(f: Callable, init: Any, xs: Any = None, length: int | None = N
 
     def chunk(carry_and_step, xs_chunk):
         (carry, step), ys = lax.scan(counted, carry_and_step, xs_chunk, length=every)
-        return (carry, _progress_tap(sink, name, step - 1, carry, metrics) + 1), ys
+        _progress_tap(sink, name, step - 1, carry, metrics)
+        return (carry, step), ys
 
     carry_and_step, pieces = (init, jnp.int32(0)), []
     if chunks:
@@ -444,8 +445,7 @@ def progress_scan(f: Callable, init: Any, xs: Any = None, length: int | None = N
     if rest:
         xs_tail = jax.tree_util.tree_map(lambda x: x[split:], xs) if xs is not None else None
         carry_and_step, ys = lax.scan(counted, carry_and_step, xs_tail, length=rest)
-        reported = _progress_tap(sink, name, carry_and_step[1] - 1, carry_and_step[0], metrics)
-        carry_and_step = (carry_and_step[0], reported + 1)
+        _progress_tap(sink, name, carry_and_step[1] - 1, carry_and_step[0], metrics)
         pieces.append(ys)
     carry = carry_and_step[0]
     if n > 0:

@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -71,46 +72,79 @@ def free_port() -> int:
 
 
 def start_collector(out: Path, token_file: Path) -> tuple[subprocess.Popen, str]:
-    """The collector on a free port; returns it and the address it printed."""
+    """The collector on a free port; returns it and the address it printed (within 60 s)."""
     collector = subprocess.Popen(
         [sys.executable, "-m", "hostcallback.consumer", "collect", "--port", "0", "--out",
          str(out), "--token-file", str(token_file)],
         stdout=subprocess.PIPE, text=True)
-    line = collector.stdout.readline()  # "collector listening on 127.0.0.1:PORT, writing to OUT"
-    if not line.startswith("collector listening on "):
+    first_line: list[str] = []
+    reader = threading.Thread(target=lambda: first_line.append(collector.stdout.readline()),
+                              daemon=True)
+    reader.start()
+    reader.join(60)
+    line = first_line[0] if first_line else ""
+    if not line.startswith("collector listening on "):  # e.g. "collector listening on h:p, ..."
         collector.kill()
         raise SystemExit(f"the collector did not start: {line!r}")
     return collector, line.split()[3].rstrip(",")
 
 
-def launch(processes: int, steps: int, out: Path) -> int:
+def write_token(path: Path) -> str:
+    """A fresh random token in a file only this user can read (made so, not made then fixed)."""
+    token = secrets.token_hex(32)
+    if path.is_symlink() or path.exists():
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(token + "\n")
+    return token
+
+
+def launch(processes: int, steps: int, out: Path, deadline_s: float = 600) -> int:
     out.mkdir(parents=True, exist_ok=True)
     token_file = out / "token"
-    token = secrets.token_hex(32)
-    token_file.touch(mode=0o600)
-    token_file.write_text(token + "\n")
+    token = write_token(token_file)
     collector, address = start_collector(out, token_file)
-    print(f"collector at {address}; {processes} processes of {DEVICES_PER_PROCESS} devices",
-          flush=True)
-    env = dict(os.environ, HOSTCALLBACK_COLLECTOR_TOKEN=token, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}")
-    coordinator = f"127.0.0.1:{free_port()}"
-    workers = [subprocess.Popen([sys.executable, __file__, "--worker", str(p), "--coordinator",
-                                 coordinator, "--processes", str(processes), "--collector",
-                                 address, "--steps", str(steps)], env=env)
-               for p in range(processes)]
+    workers: list[subprocess.Popen] = []
     try:
-        codes = [w.wait(timeout=600) for w in workers]
+        print(f"collector at {address}; {processes} processes of {DEVICES_PER_PROCESS} devices",
+              flush=True)
+        env = dict(os.environ, HOSTCALLBACK_COLLECTOR_TOKEN=token, JAX_PLATFORMS="cpu",
+                   XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}")
+        coordinator = f"127.0.0.1:{free_port()}"
+        for p in range(processes):
+            workers.append(subprocess.Popen(
+                [sys.executable, __file__, "--worker", str(p), "--coordinator", coordinator,
+                 "--processes", str(processes), "--collector", address, "--steps", str(steps)],
+                env=env))
+        codes = wait_all(workers, deadline_s)
     finally:
-        for w in workers:
+        for w in workers:  # one that failed leaves the others waiting for it: end them too
             if w.poll() is None:
                 w.kill()
+                w.wait()
         collector.send_signal(signal.SIGINT)  # it writes what it has, then stops
-        print(collector.communicate(timeout=60)[0].strip(), flush=True)
-    if any(codes):
+        try:
+            print(collector.communicate(timeout=60)[0].strip(), flush=True)
+        except subprocess.TimeoutExpired:
+            collector.kill()
+            collector.wait()
+    if any(code != 0 for code in codes):
         print(f"workers exited with {codes}", file=sys.stderr)
         return 1
     return check(out / "pod.hcbs", processes, steps)
+
+
+def wait_all(workers: list[subprocess.Popen], deadline_s: float) -> list[int | None]:
+    """Exit codes once all have exited, or as soon as one fails or the deadline passes (None
+    for those still running)."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        codes = [w.poll() for w in workers]
+        if all(code is not None for code in codes) or any(code for code in codes):
+            return codes
+        time.sleep(0.1)
+    return [w.poll() for w in workers]
 
 
 def check(path: Path, processes: int, steps: int) -> int:

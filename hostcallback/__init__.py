@@ -38,12 +38,16 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-# hostcallback.consumer is the repository's consumer/ folder, installed inside this package. Run
-# from a source checkout (which shadows the installed package), it is found beside this one.
-if not os.path.isdir(os.path.join(__path__[0], "consumer")):
-    _checkout = os.path.dirname(__path__[0])
-    if os.path.isfile(os.path.join(_checkout, "consumer", "__init__.py")):
-        __path__.append(_checkout)
+# hostcallback.consumer is the repository's consumer/ folder, installed inside this package. When
+# this file is a source checkout's (its folder has no consumer/, its parent holds pyproject.toml
+# and consumer/), the consumers are found beside it.
+_here = os.path.dirname(os.path.abspath(__file__))
+_checkout = os.path.dirname(_here)
+if (not os.path.isdir(os.path.join(_here, "consumer"))
+        and os.path.isfile(os.path.join(_checkout, "pyproject.toml"))
+        and os.path.isfile(os.path.join(_checkout, "consumer", "__init__.py"))
+        and _checkout not in __path__):
+    __path__.append(_checkout)
 
 
 __all__ = [

@@ -40,11 +40,15 @@ def format_value(value: Any, threshold: int = DEFAULT_THRESHOLD,
 def array_summary(array: np.ndarray) -> str:
     """``float32[10, 32] mean=0.5 min=0 max=1``: dtype and shape, and the statistics of a real
     numeric array."""
-    if np.issubdtype(array.dtype, np.number) and not np.iscomplexobj(array) and array.size:
-        as_float = array.astype(np.float64)
-        return (f"{array.dtype}{list(array.shape)} mean={as_float.mean():.6g} "
-                f"min={as_float.min():.6g} max={as_float.max():.6g}")
-    return f"{array.dtype}{list(array.shape)}"
+    described = f"{array.dtype}{list(array.shape)}"
+    if not array.size or np.iscomplexobj(array):
+        return described
+    try:  # numbers, bool, and ml_dtypes' floats (bfloat16, float8_*), which numpy does not
+        as_float = array.astype(np.float64)  # class as numbers
+    except (TypeError, ValueError):
+        return described
+    return (f"{described} mean={as_float.mean():.6g} min={as_float.min():.6g} "
+            f"max={as_float.max():.6g}")
 
 
 def legacy_transform(transform: tuple) -> Any:

@@ -66,13 +66,6 @@ _SUMMARY_SECONDS = 1.0  # repeated failures of one consumer are summarised at mo
 _DRAIN_RETRY_SECONDS = 0.05
 _BARRIER_SHARE = 0.8  # of stop()'s (and so of exit's) one deadline
 _EXIT_NOTICE_SECONDS = 3.0  # exit says what it waits for once it has waited this long
-
-
-def _ended_by_ctrl_c() -> bool:
-    """The program is ending on an uncaught KeyboardInterrupt (Python sets sys.last_type when it
-    prints an uncaught exception, before the exit handlers run)."""
-    last = getattr(sys, "last_type", None)
-    return isinstance(last, type) and issubclass(last, KeyboardInterrupt)
 _ABANDON_JOIN_SECONDS = 1.0  # after a second Ctrl-C, how long exit waits for each receiver
 # The portable barrier's fence computations tap marker + 2 (and + 3): values of its own, which
 # fit in uint32 (a marker travels as uint32 when x64 is off) and no barrier waits for.
@@ -96,6 +89,15 @@ def devices_to_receive(default_devices: list, native_devices: list) -> list:
             seen.add(queue_key(device))
             out.append(device)
     return out
+
+
+def _ended_by_ctrl_c() -> bool:
+    """The program is ending on an uncaught KeyboardInterrupt (Python sets sys.last_type when it
+    prints an uncaught exception, before the exit handlers run)."""
+    if hasattr(sys, "ps1"):  # interactive: last_type may be any earlier Ctrl-C of the session
+        return False
+    last = getattr(sys, "last_type", None)
+    return isinstance(last, type) and issubclass(last, KeyboardInterrupt)
 
 
 def _native_platform_devices() -> list:
@@ -273,6 +275,11 @@ class ReceiverPool:
     @property
     def started(self) -> bool:
         return bool(self._threads) and not self._stopped
+
+    @property
+    def dead(self) -> bool:
+        """A receiver thread died (every barrier then raises, saying why)."""
+        return bool(self._dead)
 
     def stop(self, timeout: float | None = None, notice_after: float | None = None) -> int:
         """Delivers what is queued, then stops the threads; returns how many records were left.

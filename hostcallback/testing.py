@@ -2,7 +2,9 @@
 
 Once a test has used hostcallback, the plugin waits after every test until its taps have been
 handled (``barrier_wait``), so a consumer that raised fails the test whose tap it was, not a
-later one. Turn that off with the ini option ``hostcallback_wait_after_each_test = false``.
+later one. Turn that off with the ini option ``hostcallback_wait_after_each_test = false``; the
+wait fails the test after ``hostcallback_wait_timeout`` seconds (120), and after a wait that timed
+out or found a receiver dead the plugin stops waiting for the rest of the session.
 
 The ``tap_records`` fixture hands out tap functions by name and collects what they receive::
 
@@ -19,6 +21,7 @@ asks for it.
 
 from __future__ import annotations
 
+import importlib.metadata
 import sys
 import threading
 from typing import Any
@@ -26,7 +29,7 @@ from typing import Any
 import pytest
 
 WAIT_OPTION = "hostcallback_wait_after_each_test"
-WAIT_TIMEOUT_S = 120.0
+TIMEOUT_OPTION = "hostcallback_wait_timeout"
 
 
 class TapRecords:
@@ -80,39 +83,80 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini(WAIT_OPTION, type="bool", default=True,
                   help="hostcallback: after every test that ran once hostcallback was used, wait "
                        "until its taps are handled and fail the test if a consumer raised")
+    parser.addini(TIMEOUT_OPTION, default="120",
+                  help="hostcallback: seconds that wait may take before it fails the test")
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item: pytest.Item):
-    """After the test body: its taps are handled before the next test starts, and a consumer
-    error fails this test (added as a note when the test failed on its own)."""
+def pytest_configure(config: pytest.Config) -> None:
+    global _wait_timeout_s
     try:
-        result = yield
-    except BaseException as failure:
-        if _should_wait(item) and isinstance(failure, Exception):
-            try:
-                _wait_for_taps()
-            except pytest.fail.Exception as tap_failure:
-                failure.add_note(str(tap_failure))
-        raise
-    if _should_wait(item):
-        _wait_for_taps()
-    return result
+        _wait_timeout_s = float(config.getini(TIMEOUT_OPTION))
+    except ValueError:
+        raise pytest.UsageError(f"{TIMEOUT_OPTION} must be a number of seconds, got "
+                                f"{config.getini(TIMEOUT_OPTION)!r}") from None
+
+
+def _pluggy_has_new_style_wrappers() -> bool:
+    """``hookimpl(wrapper=True)`` needs pluggy 1.2; this module loads in every pytest run of an
+    environment with hostcallback, so an older pluggy must not break the session."""
+    try:
+        major, minor = (int(part) for part in importlib.metadata.version("pluggy").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return False
+    return (major, minor) >= (1, 2)
+
+
+if _pluggy_has_new_style_wrappers():
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(item: pytest.Item):
+        """After the test body: its taps are handled before the next test starts, and a
+        consumer error fails this test (added as a note when the test failed on its own; a
+        skipped or xfailed test keeps its outcome)."""
+        try:
+            result = yield
+        except BaseException as outcome:
+            if _should_wait(item) and not isinstance(outcome, KeyboardInterrupt):
+                try:
+                    _wait_for_taps()
+                except pytest.fail.Exception as tap_failure:
+                    if isinstance(outcome, Exception):
+                        outcome.add_note(str(tap_failure))
+            raise
+        if _should_wait(item):
+            _wait_for_taps()
+        return result
 
 
 def _should_wait(item: pytest.Item) -> bool:
     """Only once a test has used hostcallback's API (so a session that never does imports
-    nothing), and unless the ini option turns it off."""
-    return "hostcallback.api" in sys.modules and item.config.getini(WAIT_OPTION)
+    nothing), unless the ini option turns it off or an earlier wait gave up."""
+    return ("hostcallback.api" in sys.modules and item.config.getini(WAIT_OPTION)
+            and _gave_up is None)
+
+
+# Why the plugin stopped waiting after tests, once a wait timed out or the receivers failed:
+# every later test would wait and fail the same way.
+_gave_up: str | None = None
+_wait_timeout_s = 120.0
 
 
 def _wait_for_taps() -> None:
+    global _gave_up
+    if _gave_up is not None:
+        return
     import hostcallback
+    from hostcallback.receiver import receivers
 
     try:
-        hostcallback.barrier_wait(timeout=WAIT_TIMEOUT_S)
+        hostcallback.barrier_wait(timeout=_wait_timeout_s)
     except hostcallback.CallbackException as error:
+        if receivers.dead:
+            _gave_up = f"a receiver failed: {error}"
+            pytest.fail(f"hostcallback's receivers failed during the test: {error}; the plugin "
+                        "no longer waits after tests in this session", pytrace=False)
         pytest.fail(f"a tap consumer raised during the test: {error}", pytrace=False)
     except TimeoutError:
-        pytest.fail(f"the test's taps were not all handled within {WAIT_TIMEOUT_S:.0f} s after "
-                    "it ended (a consumer or call function still running?)", pytrace=False)
+        _gave_up = "a wait timed out"
+        pytest.fail(f"the test's taps were not all handled within {_wait_timeout_s:g} s after "
+                    "it ended (a consumer or call function still running?); the plugin no "
+                    "longer waits after tests in this session", pytrace=False)

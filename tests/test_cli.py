@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import matplotlib
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -297,13 +298,28 @@ def test_tail_name_keeps_only_the_named_series(tmp_path):
     assert nothing.stderr == f"hostcallback-consumer tail: no records named nope in {path}\n"
 
 
-def test_an_empty_stream_says_it_holds_no_records(tmp_path):
+@pytest.mark.parametrize("command", ["tail", "stats"])
+def test_an_empty_stream_says_it_holds_no_records(tmp_path, command):
     path = tmp_path / "empty.hcbs"
     path.write_bytes(b"")
-    assert cli("stats", str(path)).stdout == f"no records in {path}\n"
-    tail = cli("tail", str(path))
-    assert tail.returncode == 0 and tail.stdout == ""
-    assert tail.stderr == f"hostcallback-consumer tail: no records in {path}\n"
+    result = cli(command, str(path))
+    assert result.returncode == 0 and result.stdout == ""
+    assert result.stderr == f"hostcallback-consumer {command}: no records in {path}\n"
+
+
+def test_tail_n_0_prints_nothing_and_does_not_call_the_stream_empty(two_devices):
+    result = cli("tail", "-n", "0", str(two_devices))
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+
+
+def test_tail_summarises_bfloat16_and_bool_arrays_too(tmp_path):
+    path = tmp_path / "kinds.hcbs"
+    path.write_bytes(stream.dumps([
+        TapRecord(name="b", step=0, value=np.ones(32, ml_dtypes.bfloat16)),
+        TapRecord(name="m", step=0, value=np.arange(32) % 2 == 0)]))
+    lines = cli("tail", str(path)).stdout.splitlines()
+    assert lines[1] == "bfloat16[32] mean=1 min=1 max=1"
+    assert lines[3] == "bool[32] mean=0.5 min=0 max=1"
 
 
 def test_plot_says_where_it_wrote(two_devices, tmp_path):

@@ -11,6 +11,7 @@ import pytest
 from jax import lax
 
 import hostcallback as hcb
+from conftest import run_python
 from hostcallback.consumer import (
     ProgressSink,
     Sink,
@@ -234,11 +235,11 @@ def test_a_slower_device_finishing_the_same_run_does_not_start_a_bar():
 
 
 class SlowProgressSink(ProgressSink):
-    """Takes 20 ms per record: without the loop waiting for its bar, the results are ready long
+    """Takes 50 ms per record: without the loop waiting for its bar, the results are ready long
     before the bar is."""
 
     def emit(self, record):
-        time.sleep(0.02)
+        time.sleep(0.05)
         super().emit(record)
 
 
@@ -254,3 +255,20 @@ def test_the_bar_is_drawn_before_the_loops_results_are_ready(transport, loop):
     jax.block_until_ready(run(1.0))  # no barrier_wait
     assert out.getvalue().splitlines()[-1].endswith("done"), out.getvalue()
     assert sink.position == 100
+
+
+def test_the_chunked_loops_run_with_64_bit_types_enabled():
+    result = run_python("""
+        import io
+        import jax, jax.numpy as jnp
+        from hostcallback.consumer import ProgressSink, progress_fori_loop, progress_scan
+        sink = ProgressSink(total=100, file=io.StringIO())
+        x = jax.jit(lambda x: progress_fori_loop(0, 100, lambda i, x: x + i, x, every=30,
+                                                 sink=sink))(jnp.float64(0))
+        c, _ = jax.jit(lambda c: progress_scan(lambda c, v: (c + v, v), c, jnp.arange(100.0),
+                                               every=30, sink=ProgressSink(total=100,
+                                               file=io.StringIO())))(jnp.float64(0))
+        print(float(x), float(c), sink.position)
+        """, devices=1, env={"JAX_ENABLE_X64": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["4950.0", "4950.0", "100"]

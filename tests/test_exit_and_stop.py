@@ -1,5 +1,12 @@
 """Interpreter exit delivers pending taps; stop_outfeed_receiver drains, then refuses taps."""
 
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 from conftest import run_python
 
@@ -121,31 +128,34 @@ def test_exit_that_gives_up_counts_the_records_really_left():
     assert left in ([10 - printed], [10 - printed + 1])
 
 
-@pytest.mark.timeout(120)
-def test_a_long_exit_says_what_it_waits_for_and_ctrl_c_leaves_quietly():
-    import os
-    import signal
-    import subprocess
-    import sys
-    import textwrap
+HALF_SECOND_TAPS = """
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive run has it
+import jax
+import hostcallback as hcb
+def slow(arg, transforms):
+    time.sleep(0.5)
+jax.jit(lambda x: jax.lax.fori_loop(0, 40, lambda i, c: hcb.id_tap(slow, i), x))(0)
+"""
+EXIT_NOTICE = "before exit; press Ctrl-C to leave without them"
 
-    code = textwrap.dedent("""
-        import signal, time
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive run has it
-        import jax
-        import hostcallback as hcb
-        def slow(arg, transforms):
-            time.sleep(0.5)
-        jax.jit(lambda x: jax.lax.fori_loop(0, 40, lambda i, c: hcb.id_tap(slow, i), x))(0)
-        """)
+
+def start_slow_taps(then: str = "") -> subprocess.Popen:
+    """A program that dispatches 40 taps of 0.5 s each on one device, runs ``then`` and ends;
+    its stderr is a pipe."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    child = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
-                             env=env)
+    return subprocess.Popen([sys.executable, "-c", HALF_SECOND_TAPS + then],
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+@pytest.mark.timeout(120)
+def test_a_long_exit_says_what_it_waits_for_and_ctrl_c_leaves_quietly():
+    child = start_slow_taps()
     lines = []
     for line in child.stderr:
         lines.append(line)
-        if "before exit; press Ctrl-C to leave without them" in line:
+        if EXIT_NOTICE in line:
             child.send_signal(signal.SIGINT)
             break
     rest = child.stderr.read()
@@ -155,37 +165,19 @@ def test_a_long_exit_says_what_it_waits_for_and_ctrl_c_leaves_quietly():
     assert "Traceback" not in rest and "Exception ignored" not in rest
 
 
+@pytest.mark.timeout(120)
 def test_after_a_ctrl_c_exit_says_at_once_what_is_left_and_a_second_leaves_quietly():
-    import os
-    import signal
-    import subprocess
-    import sys
-    import re
-    import textwrap
-    import time
-
-    code = textwrap.dedent("""
-        import signal, sys, time
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive run has it
-        import jax
-        import hostcallback as hcb
-        def slow(arg, transforms):
-            time.sleep(0.5)
-        jax.jit(lambda x: jax.lax.fori_loop(0, 40, lambda i, c: hcb.id_tap(slow, i), x))(0)
-        print("dispatched", file=sys.stderr, flush=True)
-        time.sleep(60)  # the user presses Ctrl-C here
-        """)
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    child = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
-                             env=env)
+    child = start_slow_taps(then="""
+print("dispatched", file=sys.stderr, flush=True)
+time.sleep(60)  # the user presses Ctrl-C here
+""")
     lines = []
     for line in child.stderr:
         lines.append(line)
         if line == "dispatched\n":
             child.send_signal(signal.SIGINT)
             interrupted = time.monotonic()
-        if "before exit; press Ctrl-C to leave without them" in line:
+        if EXIT_NOTICE in line:
             said_after = time.monotonic() - interrupted
             child.send_signal(signal.SIGINT)
             break

@@ -228,6 +228,18 @@ def drain():  # as the receivers drain
 def enqueue(value):
     outfeed.enqueue(0, 3, [wire.as_leaf(value)], platform="decoded")
 
+def small_round_trips(count):
+    \"\"\"With one small buffer back in the pool, `count` small records each enqueued and drained
+    in turn; prints the pool hits and misses they took.\"\"\"
+    enqueue(np.int32(0))
+    drain()  # its buffer is back in the pool
+    before = outfeed.pool_stats()
+    for value in range(count):
+        enqueue(np.int32(value))
+        assert int(drain()[0][4][0]) == value
+    after = outfeed.pool_stats()
+    print(after["hits"] - before["hits"], after["misses"] - before["misses"])
+
 """
 
 
@@ -272,16 +284,7 @@ def pool_hits_and_misses(body: str, setup: str = "") -> list[str]:
 
 
 def test_small_records_reuse_pooled_buffers_instead_of_allocating():
-    assert pool_hits_and_misses("""
-        enqueue(np.int32(0))
-        drain()  # its buffer is back in the pool
-        before = outfeed.pool_stats()
-        for value in range(100):
-            enqueue(np.int32(value))
-            assert int(drain()[0][4][0]) == value
-        after = outfeed.pool_stats()
-        print(after["hits"] - before["hits"], after["misses"] - before["misses"])
-    """) == ["100", "0"]
+    assert pool_hits_and_misses("small_round_trips(100)") == ["100", "0"]
 
 
 def test_a_receivers_released_records_reach_the_pool_when_its_next_drain_begins():
@@ -341,14 +344,7 @@ def test_a_record_larger_than_the_pool_can_keep_does_not_stop_it_keeping_small_o
         config.configure(max_queue_bytes=1 << 20)  # the pool keeps at most 2 MiB
         enqueue(np.ones(1 << 20, np.float32))  # 4 MiB: goes in alone, never pooled
         huge = drain()[0][4][0]  # and a consumer keeps it
-        enqueue(np.int32(0))
-        drain()  # its buffer is back in the pool
-        before = outfeed.pool_stats()
-        for value in range(100):
-            enqueue(np.int32(value))
-            assert int(drain()[0][4][0]) == value
-        after = outfeed.pool_stats()
-        print(after["hits"] - before["hits"], after["misses"] - before["misses"])
+        small_round_trips(100)
         assert huge.sum() == 1 << 20
     """) == ["100", "0"]
 

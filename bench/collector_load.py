@@ -1,6 +1,6 @@
 """The collector under load: N local client processes stream records as fast as they can.
 
-Starts `python -m hostcallback.consumer collect --port 0` as its own process, then N client processes on
+Starts `hostcallback-consumer collect --port 0` as its own process, then N client processes on
 loopback that each stream pre-encoded records (one realistic tap record, ~220 bytes framed, or
 ``--value-bytes`` more) for ``--seconds``, then wait for the collector to acknowledge everything.
 With ``--sink`` the clients use SocketSink.emit instead (the sender's cost included).

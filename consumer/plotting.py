@@ -1,4 +1,4 @@
-"""``python -m hostcallback.consumer plot``: line charts of scalar series from record streams (matplotlib).
+"""``hostcallback-consumer plot``: line charts of scalar series from record streams (matplotlib).
 
 One panel per series (or all in one with ``overlay``), one line per source (process/device), a
 log scale and TensorBoard-style smoothing on request. matplotlib is imported only here, only

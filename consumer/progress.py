@@ -16,10 +16,10 @@ For loops that run inside one computation there are two ways in:
   nothing per step (bench/progress_overhead.py measures both against jax-tqdm).
 
 The bar closes when the last step arrives. ``progress_fori_loop`` and ``progress_scan`` close it
-before the loop's results are ready: their last report is followed by a ``call`` that waits until
-the bar is drawn, so its last line is out before the code after the computation prints. That is
-one host round trip per loop, and, as for any computation with a ``call``, dispatch on CPU waits
-for the computation. Every other report is an ordinary tap, handled on the receiver threads
+before the loop's results are ready: with a ProgressSink, their last report is followed by a
+``call`` that waits until the bar is drawn, so its last line is out before the code after the
+computation prints. That is one host round trip per loop, and, as for any computation with a
+``call``, dispatch on CPU waits for the computation. Every other report is an ordinary tap, handled on the receiver threads
 without blocking the device. tqdm is needed only for a terminal (the ``progress`` extra); this
 module never imports it otherwise.
 """
@@ -288,23 +288,23 @@ def _progress_tap(sink: Sink, name: str, step, carry, metrics) -> None:
 class _DrawnBy:
     """A call function that returns once a ProgressSink has drawn what was tapped before it:
     records of one device reach their consumers in program order, so by the time it runs the
-    loop's last report has been emitted; flushing puts its line out. Other sinks are not
-    flushed here (a SocketSink's flush could keep the device waiting on the network)."""
+    loop's last report has been emitted; flushing puts its line out."""
 
-    def __init__(self, sink: Sink) -> None:
+    def __init__(self, sink: ProgressSink) -> None:
         self.sink = sink
-        self.__name__ = f"progress bar of {type(sink).__name__}"
+        self.__name__ = "progress bar drawn"
 
     def __call__(self, step) -> None:
-        if isinstance(self.sink, ProgressSink):
-            self.sink.flush()
+        self.sink.flush()
 
 
 def _wait_until_drawn(sink: Sink, last_step) -> None:
-    """A call after the loop's last report that the computation waits for until the bar is
-    drawn. Taps and calls keep program order; ``last_step``, counted inside the loop, keeps XLA
-    from running the call before the loop has run."""
-    hostcallback.call(_DrawnBy(sink), last_step)
+    """For a ProgressSink, a call after the loop's last report that the computation waits for
+    until the bar is drawn. Taps and calls keep program order; ``last_step``, counted inside the
+    loop, keeps XLA from running the call before the loop has run. Other sinks get no call: they
+    draw no bar, and flushing one (a SocketSink) could keep the device waiting on the network."""
+    if isinstance(sink, ProgressSink):
+        hostcallback.call(_DrawnBy(sink), last_step)
 
 
 def _loop_sink(n: int, desc: str | None, sink: Sink | None, file: TextIO | None) -> Sink:

@@ -53,8 +53,8 @@ except Exception as error:
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("devices", [1, 4])
 def test_a_call_that_runs_jax_finishes_with_steps_dispatched_back_to_back(transport, devices):
-    result = run_python(EVOX_STEPS.format(scenario="jit", timeout=None, blocked=False), devices=devices,
-                        timeout=120, env={"HOSTCALLBACK_TRANSPORT": transport})
+    result = run_python(EVOX_STEPS.format(scenario="jit", timeout=None, blocked=False),
+                        devices=devices, timeout=120, env={"HOSTCALLBACK_TRANSPORT": transport})
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("ok 0.040218"), result.stdout
 

@@ -66,8 +66,8 @@ def test_tail_n_prints_only_the_last_records(two_devices):
 def _tail_follow(path, last: int, lines: int, then=None, then_lines: int = 0):
     """Runs ``tail -n LAST -f PATH``: reads ``lines`` lines, calls ``then()``, reads
     ``then_lines`` more; returns both lists."""
-    follower = subprocess.Popen([sys.executable, "-m", "hostcallback.consumer", "tail", "-n", str(last), "-f",
-                                 str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    follower = subprocess.Popen([sys.executable, "-m", "hostcallback.consumer", "tail", "-n",
+                                 str(last), "-f", str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                 text=True)
     try:
         first = [follower.stdout.readline().strip() for _ in range(lines)]

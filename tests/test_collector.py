@@ -278,8 +278,8 @@ def test_low_disk_stops_writing_until_there_is_room(make_collector):
     sink.close()
 
 
-# Runs ``python -m hostcallback.consumer collect ...`` with a file size limit; a write past it is then short
-# (it returns fewer bytes) or fails with EFBIG, and no SIGXFSZ kills the process.
+# Runs ``python -m hostcallback.consumer collect ...`` with a file size limit; a write past it is
+# then short (it returns fewer bytes) or fails with EFBIG, and no SIGXFSZ kills the process.
 _COLLECT_WITH_SIZE_LIMIT = """
 import resource, runpy, signal, sys
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -567,8 +567,8 @@ def test_a_bad_client_is_logged_once_and_dropped_and_others_are_unaffected(
 
 
 def test_collect_prints_its_address_for_port_0_and_its_counts_when_stopped(tmp_path):
-    server = subprocess.Popen([sys.executable, "-m", "hostcallback.consumer", "collect", "--port", "0",
-                               "--out", str(tmp_path)], stdout=subprocess.PIPE,
+    server = subprocess.Popen([sys.executable, "-m", "hostcallback.consumer", "collect", "--port",
+                               "0", "--out", str(tmp_path)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
     try:
         first_line = server.stdout.readline()
@@ -599,8 +599,8 @@ def test_collect_on_a_port_in_use_says_so_in_one_line(tmp_path):
 
 def test_collect_without_a_token_beyond_loopback_says_what_to_do(tmp_path, monkeypatch):
     monkeypatch.delenv(stream.TOKEN_VARIABLE, raising=False)
-    result = subprocess.run([sys.executable, "-m", "hostcallback.consumer", "collect", "--host", "0.0.0.0",
-                             "--port", "0", "--out", str(tmp_path)], capture_output=True,
+    result = subprocess.run([sys.executable, "-m", "hostcallback.consumer", "collect", "--host",
+                             "0.0.0.0", "--port", "0", "--out", str(tmp_path)], capture_output=True,
                             text=True, timeout=60, check=False)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "without a token" in result.stderr and "--insecure" in result.stderr

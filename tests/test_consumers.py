@@ -205,8 +205,8 @@ def test_collector_keeps_complete_records_from_a_client_that_disconnects_mid_rec
 
 
 def _consumer_cli(*args):
-    return subprocess.run([sys.executable, "-m", "hostcallback.consumer", *args], capture_output=True,
-                          text=True, timeout=120, check=False)
+    return subprocess.run([sys.executable, "-m", "hostcallback.consumer", *args],
+                          capture_output=True, text=True, timeout=120, check=False)
 
 
 @pytest.fixture
@@ -253,8 +253,8 @@ def test_cli_collect_serves_until_stopped(tmp_path):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "hostcallback.consumer", "collect", "--port", str(port),
-                               "--out", str(tmp_path / "cli")])
+    server = subprocess.Popen([sys.executable, "-m", "hostcallback.consumer", "collect", "--port",
+                               str(port), "--out", str(tmp_path / "cli")])
     try:
         sink = SocketSink("127.0.0.1", port, run="cli")
         sink.emit(TapRecord(name="x", value=1))
@@ -295,8 +295,8 @@ def test_socket_sink_reconnects_when_the_collector_restarts(tmp_path):
 def test_cli_tail_follows_a_growing_file(tmp_path):
     path = tmp_path / "growing.hcbs"
     sink = FileSink(path)
-    follower = subprocess.Popen([sys.executable, "-m", "hostcallback.consumer", "tail", "--follow", str(path)],
-                                stdout=subprocess.PIPE, text=True)
+    follower = subprocess.Popen([sys.executable, "-m", "hostcallback.consumer", "tail", "--follow",
+                                 str(path)], stdout=subprocess.PIPE, text=True)
     try:
         for i in range(3):
             sink.emit(TapRecord(name="grow", step=i, value=np.int32(i)))

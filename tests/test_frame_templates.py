@@ -1,5 +1,5 @@
-"""Frames put together in C++ for a batch (hostcallback.consumer.frame_templates) are byte for byte the
-general encoder's, or are not used."""
+"""Frames put together in C++ for a batch (hostcallback.consumer.frame_templates) are byte for
+byte the general encoder's, or are not used."""
 
 import ast
 import dataclasses
@@ -19,7 +19,13 @@ from jax import lax, tree_util
 import hostcallback as hcb
 from hostcallback.consumer import FileSink, SinkTap, tap_to
 from hostcallback.consumer.frame_templates import make_template, step_of
-from hostcallback.consumer.stream import TapRecord, frame_item, read_records, read_stream, stream_files
+from hostcallback.consumer.stream import (
+    TapRecord,
+    frame_item,
+    read_records,
+    read_stream,
+    stream_files,
+)
 from hostcallback._native import outfeed
 from hostcallback.batches import RecordBatch
 from hostcallback.registry import Consumer

@@ -301,8 +301,8 @@ void DefineFrameFunctions(nb::module_& m) {
         nb::arg("pieces"), nb::arg("leaf_dtypes"), nb::arg("leaf_shapes"), nb::arg("step_leaf"),
         nb::arg("step_kind"), nb::arg("step_size"), nb::arg("now") = -1.0,
         "Record-stream frames (a list of bytes) for drained records[start:stop] of one tap "
-        "site and device, from hostcallback.consumer.frame_templates.FrameTemplate's pieces; a ValueError "
-        "for a record whose arrays do not have the template's dtypes and shapes.");
+        "site and device, from hostcallback.consumer.frame_templates.FrameTemplate's pieces; a "
+        "ValueError for a record whose arrays do not have the template's dtypes and shapes.");
   m.def("crc32", [](nb::bytes data) {
     return Crc32(reinterpret_cast<const uint8_t*>(data.c_str()), data.size());
   }, nb::arg("data"), "CRC-32 as zlib.crc32 computes it (for tests).");

@@ -182,6 +182,26 @@ def test_a_sharded_jit_call_hands_every_device_the_exact_bits(transport):
 
 
 @pytest.mark.needs_internals("calls in a jit over a sharded mesh")
+def test_a_sharded_jit_call_that_times_out_fails_every_device_and_says_so_at_once(transport,
+                                                                                  capfd):
+    mesh = jax.make_mesh((4,), ("i",))
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))
+
+    def slow(v):
+        time.sleep(1.0)
+        return v
+
+    compiled = jax.jit(lambda x: hcb.call(slow, x, result_shape=x, timeout=0.2)).lower(x).compile()
+    with pytest.raises(Exception, match="did not answer this call within its timeout of 0.2 s"):
+        compiled(x).block_until_ready()
+    # Said on stderr when it happened, in case XLA ends the process before the error is read.
+    reported = capfd.readouterr().err
+    assert "did not answer this call within its timeout of 0.2 s" in reported
+    assert "every device fails with this error" in reported
+    hcb.barrier_wait()  # the late answer is dropped, the receiver goes on
+
+
+@pytest.mark.needs_internals("calls in a jit over a sharded mesh")
 def test_device_index_out_of_range_is_a_clear_error(transport):
     mesh = jax.make_mesh((4,), ("i",))
     x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i")))

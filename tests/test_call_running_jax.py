@@ -89,15 +89,20 @@ def test_under_pmap_back_to_back_a_call_with_a_timeout_fails_saying_why(transpor
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_under_a_sharded_jit_back_to_back_it_never_hangs(transport):
     """The function's work queues on device 0 behind the next step, which waits for this one.
-    The call's timeout then fails the step saying why, or, where XLA's CPU client left the
-    other devices in a collective, XLA ends the process after its 40 s rendezvous limit, saying
-    so (JAX's own pure_callback ends that way every time); either way within the deadline."""
+    The call's timeout then fails the step saying why, and says so on stderr at once; or XLA's
+    CPU client leaves one device's launch waiting for a slot while the others wait for it in a
+    collective, before any call, and XLA ends the process after its 40 s rendezvous limit,
+    saying so (JAX's own pure_callback ends that way every time); either way within the
+    deadline."""
     result = run_python(EVOX_STEPS.format(scenario="sharded_jit", timeout=5.0, blocked=False),
                         devices=4, timeout=150, env={"HOSTCALLBACK_TRANSPORT": transport})
     if result.returncode == 0:
-        assert result.stdout.startswith("ok") or (
-            "did not answer this call within its timeout of 5 s" in result.stdout
-            and "block_until_ready" in result.stdout), result.stdout
+        if result.stdout.startswith("ok"):
+            return
+        timed_out = "did not answer this call within its timeout of 5 s"
+        assert timed_out in result.stdout and "block_until_ready" in result.stdout, result.stdout
+        assert timed_out in result.stderr and "every device fails with this error" in \
+            result.stderr, result.stderr[-3000:]
     else:
         assert result.returncode == -6, result.stderr[-3000:]  # SIGABRT from XLA's check
         assert "Termination timeout for" in result.stderr, result.stderr[-3000:]

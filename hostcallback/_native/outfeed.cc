@@ -433,10 +433,13 @@ std::string CheckTimeout(double timeout_s) {
   return "";
 }
 
+constexpr char kTimeoutPrefix[] =
+    "hostcallback: the host did not answer this call within its timeout of ";
+
 std::string TimeoutMessage(double timeout_s) {
   char seconds[32];
   std::snprintf(seconds, sizeof(seconds), "%g", timeout_s);
-  return std::string("hostcallback: the host did not answer this call within its timeout of ") +
+  return std::string(kTimeoutPrefix) +
          seconds + " s. If the call function runs JAX work while a computation over several "
          "devices waits for it, XLA's CPU client may never run that work (it holds at most 32 "
          "computations in flight per device, JAX's own callbacks hang there too): call "
@@ -1041,6 +1044,15 @@ ffi::Error ZeroOutputs(ffi::RemainingRets& rets) {
   return ffi::Error::Success();
 }
 
+// A shared call that timed out is said on stderr at once: its devices fail together only after
+// the collective that follows, and where XLA's CPU client left a device out of a collective, XLA
+// ends the process after its own rendezvous limit (40 s) before the error reaches Python.
+void ReportSharedTimeout(const std::string& problem) {
+  std::fprintf(stderr, "%s (a call shared over the devices of a sharded computation; every "
+               "device fails with this error)\n", problem.c_str());
+  std::fflush(stderr);
+}
+
 // A `call`: send the arrays, wait for the host's results, copy them into the outputs.
 // emit_device != -1 (a call shared over the devices of a sharded computation): only that device
 // calls and the others return zeros; the last output is a uint32 failure flag. The calling
@@ -1097,6 +1109,7 @@ ffi::Error CallImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_d
       return problem.empty() ? ffi::Error::Success() : ffi::Error::Internal(problem);
     }
     if (!problem.empty()) {
+      if (problem.rfind(kTimeoutPrefix, 0) == 0) ReportSharedTimeout(problem);
       if (ffi::Error error = ZeroOutputs(rets); error.failure()) return error;
       std::lock_guard<std::mutex> lock(g_call_failures.mu);
       g_call_failures.by_consumer[consumer_id] = problem;
@@ -1599,6 +1612,7 @@ NB_MODULE(_hostcallback_outfeed, m) {
   m.def("enqueue", &EnqueueFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),
         nb::arg("platform") = kNativePlatform,
         "Appends one record built from (dtype_code, dims, bytes) leaves; waits while the queue is full.");
+  m.attr("CALL_TIMEOUT_PREFIX") = kTimeoutPrefix;
   m.def("call", &CallFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),
         nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
         "Enqueues a call record and waits (GIL released) for the host's answer: a list of bytes.");

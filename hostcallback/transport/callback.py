@@ -10,6 +10,7 @@ and large arguments, jax#25861) and never calls the consumer itself.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 
 import jax
@@ -79,8 +80,10 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, r
         except BaseException as error:  # shared: every error becomes the flag, see above
             if not shared:
                 raise
-            _shared_call_failures[consumer_id] = describe_error(error) \
-                if not isinstance(error, RuntimeError) else str(error)
+            reason = str(error) if isinstance(error, RuntimeError) else describe_error(error)
+            if reason.startswith(outfeed.CALL_TIMEOUT_PREFIX):
+                _report_shared_timeout(reason)
+            _shared_call_failures[consumer_id] = reason
             return zeros()[:-1] + (np.uint32(1),)
         if shared:  # no reason of ours is left to be read for a failure in another process
             _shared_call_failures.pop(consumer_id, None)
@@ -96,6 +99,15 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, r
         callback_ctx, call_on_host, token, [partition, *args], callback_ctx.avals_in,
         list(result_avals), has_side_effect=True, returns_token=True, sharding=op_sharding)
     return token_out, list(results)
+
+
+def _report_shared_timeout(reason: str) -> None:
+    """Says a shared call's timeout on stderr at once, as the native handler does: its devices
+    fail together only after the collective that follows, and where XLA's CPU client left a
+    device out of a collective, XLA ends the process (after 40 s) before the error reaches
+    Python."""
+    print(f"{reason} (a call shared over the devices of a sharded computation; every device "
+          "fails with this error)", file=sys.stderr, flush=True)
 
 
 # Why a shared call failed, by consumer id (see call): read by check on every device.

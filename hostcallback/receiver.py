@@ -52,14 +52,10 @@ _DRAIN_RECORDS = 1024
 # A batch holds at most this many bytes (or one larger record): large records go one a batch,
 # so each returns to the buffer pool as soon as it is delivered.
 _DRAIN_BYTES = 1 << 20
-# After the first record of a batch, drain() waits this long for more (not for a call or a
-# barrier marker): under load a receiver wakes once per batch, and a lone tap is this late. The
-# wait is skipped after one that gathered nothing, until a burst comes (outfeed.cc, Pop).
+# How long drain() waits for a fuller batch: after a first record (_COALESCE_SECONDS), and while
+# records come less than _LINGER_SECONDS apart, for the next ones (_LINGER_SECONDS). When each
+# wait is made, and why: the comment on DeviceQueue::Pop in _native/outfeed.cc.
 _COALESCE_SECONDS = 0.0002
-# While records come less than this far apart, drain() first waits this long for the next ones
-# before it asks to be woken for the first: a stream of taps (one a short training step) wakes
-# the receiver once per window, not once or twice per record, and its devices make no wake-up
-# call at all. A record in such a stream is this late at most; a lone one, _COALESCE_SECONDS.
 _LINGER_SECONDS = 0.001
 _POLL_SECONDS = 0.25
 _SUMMARY_SECONDS = 1.0  # repeated failures of one consumer are summarised at most this often

@@ -707,9 +707,18 @@ class DeviceQueue {
   // last Pop found some, or had them within linger_s), a Pop first waits up to linger_s the same
   // way, asking no producer to wake it: such a stream (one tap a short training step) costs the
   // receiver one wake-up per linger_s and its producers none, and a record in it is late by at
-  // most linger_s. A slower stream is not lingered for, which would only add a wake-up. A closed
-  // queue still hands out what it holds. Never loses a record: the output is reserved before any
-  // leaves the queue.
+  // most linger_s. A slower stream is not lingered for, which would only add a wake-up, so the
+  // first record after a quiet spell wakes the receiver at once. A closed queue still hands out
+  // what it holds. Never loses a record: the output is reserved before any leaves the queue.
+  //
+  // Why wait at all: on the host a record costs mostly the receiver's wake-up, not its Python (a
+  // thread that sleeps and wakes costs about 40 us of CPU on a small VM, delivering a record
+  // about 1 us), and on a 2-core machine that CPU is taken from the computation. The receiver
+  // passes coalesce_s = 200 us and linger_s = 1 ms (receiver.py: _COALESCE_SECONDS,
+  // _LINGER_SECONDS). A gathering receiver is woken only for a ready batch (Enqueue), and
+  // queue_stats() counts the producers' wake-up calls as receiver_wakeups. The coalescing wait is
+  // what gathers a burst of taps that follows a quiet spell. Measurements:
+  // docs/performance-log.md (2026-11-24).
   std::vector<Record> Pop(size_t max_records, size_t max_bytes, double timeout_s,
                           double coalesce_s = 0, double linger_s = 0) {
     std::vector<Record> out;

@@ -28,8 +28,8 @@ import uuid
 
 import numpy as np
 
-from hostcallback.consumer import SocketSink, TapRecord, stream
-from hostcallback.consumer.collector import scan_run_file
+from hostcallback.consumer import SocketSink, TapRecord, protocol, stream
+from hostcallback.consumer.run_files import scan_run_file
 
 
 def sample_record(value_bytes: int) -> TapRecord:
@@ -60,7 +60,7 @@ def raw_client(port: int, seconds: float, value_bytes: int, start, results) -> N
             acks.extend(chunk)
         usable = len(acks) - len(acks) % 8
         if usable:
-            acknowledged = stream.ACK.unpack_from(acks, usable - 8)[0]
+            acknowledged = protocol.ACK.unpack_from(acks, usable - 8)[0]
             del acks[:usable]
 
     start.wait()

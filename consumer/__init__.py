@@ -2,6 +2,8 @@
 and a collector for many processes, progress bars and TensorBoard. See the documents "Record
 stream format" and "Consumers"."""
 
+from .file_sink import FileSink
+from .logging_sink import LoggingSink, summarize
 from .progress import (
                             ProgressSink,
                             loop_progress,
@@ -9,18 +11,11 @@ from .progress import (
                             progress_scan,
                             scan_progress,
 )
-from .sinks import (
-                            FileSink,
-                            FrameSink,
-                            LoggingSink,
-                            Sink,
-                            SinkTap,
-                            SocketSink,
-                            StatsSink,
-                            summarize,
-                            tap_to,
-)
-from .stream import StreamFormatError, StreamReader, StreamWriter, TapRecord, read_records
+from .sink_base import FrameSink, Sink, SinkTap, tap_to
+from .socket_sink import SocketSink
+from .stats_sink import StatsSink
+from .stream import StreamFormatError, StreamReader, StreamWriter, TapRecord
+from .stream_files import read_records
 from .tensorboard import TensorBoardSink
 
 __all__ = [

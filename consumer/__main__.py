@@ -24,19 +24,13 @@ import sys
 from collections.abc import Iterable, Iterator
 
 from .cli_messages import PROG, complain
-from .collector import add_collect_arguments, collect_command
+from .collect_command import add_collect_arguments, collect_command
 from .plotting import plot
 from .series import source_of
-from .sinks import StatsSink, format_table
-from .stream import (
-    StreamFormatError,
-    TapRecord,
-    follow_records,
-    read_records,
-    read_stream,
-    stream_files,
-)
-from hostcallback.printing import format_metadata, format_value
+from .stats_sink import StatsSink, format_table
+from .stream import StreamFormatError, TapRecord
+from .stream_files import follow_records, read_records, read_stream, stream_files
+from hostcallback.addons import format_metadata, format_value
 
 
 # Arrays with more elements than this print as one line of statistics unless --full is given.

@@ -19,54 +19,58 @@ bad client disturb another. Limits (record size, clients, open run files, free d
 clients) are in CollectorLimits; a client that breaks one is told why, logged once and dropped. An
 idle sender sends heartbeats (empty frames, never written); a sender that reconnects replaces its
 older connection.
+
+What is said on the wire (the handshake, acknowledgements, refusals by their codes) is in
+``protocol``, shared with SocketSink; the run files' segments and their scan after a restart are
+in ``run_files``; the ``collect`` command is in ``collect_command``.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import dataclasses
-import errno
-import hmac
 import ipaddress
 import logging
-import mmap
 import os
 import re
 import shutil
-import signal
 import socket
 import ssl
 import threading
 import time
 import zlib
-from typing import Any, BinaryIO
+from typing import Any
 
-import msgpack
-
-from .cli_messages import complain
-from .stream import (
+from .protocol import (
     ACK,
-    FORMAT,
-    FRAME,
     HEARTBEAT,
-    REASON,
-    REFUSED,
-    SYNC,
     TOKEN_VARIABLE,
-    TOO_LARGE,
-    frame_item,
-    stream_header,
+    Reason,
+    Refuse,
+    check_sender_header,
+    is_record,
 )
+from .run_files import RunFile, file_header, scan_run_file, segment_header, write_all
+from .stream import FRAME, SYNC
 
 logger = logging.getLogger("hostcallback.collector")
 
 _SAFE_RUN = re.compile(r"[^A-Za-z0-9_.-]+")
 _HEADER_BYTES = 64 << 10  # the largest header frame a client may send before it is authenticated
 _READ_BYTES = 1 << 16
-_RECORD_START = b"\xa4name"  # every record map's first key is "name" (TapRecord.to_map)
-_MAP_TYPES = frozenset(range(0x80, 0x90)) | {0xDE, 0xDF}
+# How refusals are counted (Collector.refused) and grouped in the log: several reasons, one kind.
+_KINDS = {
+    Reason.NOT_A_STREAM: "not a stream", Reason.NO_SENDER: "not a stream",
+    Reason.VERSION: "version", Reason.TOKEN: "token",
+    Reason.HEADER_TOO_LARGE: "too large", Reason.RECORD_TOO_LARGE: "too large",
+    Reason.TOO_MANY_CLIENTS: "too many clients",
+    Reason.NOT_A_FRAME: "garbage", Reason.BAD_CRC: "garbage", Reason.NOT_A_RECORD: "garbage",
+    Reason.HEADER_STALLED: "stalled", Reason.RECORD_STALLED: "stalled",
+    Reason.ACKNOWLEDGEMENTS_UNREAD: "stalled", Reason.IDLE: "idle",
+    Reason.NO_HEADER: "no header", Reason.WRITE_FAILED: "write failed",
+    Reason.SHUTTING_DOWN: "closing",
+}
 
 
 @dataclasses.dataclass
@@ -93,14 +97,6 @@ class CollectorLimits:
 
 class CollectorConfigError(ValueError):
     """A collector setting that would be unsafe or cannot work."""
-
-
-class _Refuse(Exception):
-    """Drop this client: ``kind`` groups the log line, ``reason`` is sent to the client."""
-
-    def __init__(self, kind: str, reason: str) -> None:
-        super().__init__(reason)
-        self.kind, self.reason = kind, reason
 
 
 def is_loopback(host: str) -> bool:
@@ -130,74 +126,6 @@ def read_token(token_file: str | None = None) -> str | None:
     return os.environ.get(TOKEN_VARIABLE) or None
 
 
-class _RunFile:
-    """One open run file and the segment that its last bytes belong to."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.file: BinaryIO = open(path, "ab", buffering=0)  # noqa: SIM115 (kept open, LRU)
-        self.segment: tuple[str, int] | None = None  # (sender, next sequence) of the last write
-
-
-def write_all(file: BinaryIO, data: bytes) -> None:
-    """Writes every byte of ``data`` or raises OSError: an unbuffered write may take only part of
-    it (a full disk, a quota, RLIMIT_FSIZE) and say so only in its return value."""
-    with memoryview(data) as view:
-        written = 0
-        while written < len(view):
-            count = file.write(view[written:])
-            if not count:
-                raise OSError(errno.ENOSPC, "the file took none of the bytes written")
-            written += count
-
-
-def scan_run_file(path: str) -> tuple[dict[str, int], int, bool]:
-    """What a run file holds: per sender the next sequence number it has not written, the end of
-    its last intact frame, and whether it is a framed (version-2) file at all."""
-    senders: dict[str, int] = {}
-    with open(path, "rb") as file:
-        size = os.fstat(file.fileno()).st_size
-        if size == 0:
-            return senders, 0, True
-        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            framed = data[:len(SYNC)] == SYNC
-            position, intact_end, segment = 0, 0, None
-            while position < size:
-                if data[position:position + len(SYNC)] != SYNC or position + FRAME.size > size:
-                    position = data.find(SYNC, position + 1)
-                    if position < 0:
-                        break
-                    continue
-                _, length, crc = FRAME.unpack_from(data, position)
-                end = position + FRAME.size + length
-                with memoryview(data)[position + FRAME.size:min(end, size)] as payload:
-                    intact = end <= size and zlib.crc32(payload) == crc
-                    if intact and bytes(payload[1:6]) != _RECORD_START:  # a header
-                        header = _unpack(payload)
-                        if isinstance(header, dict) and header.get("format") == FORMAT:
-                            sender = header.get("sender")
-                            segment = sender if isinstance(sender, str) else None
-                            if segment is not None:
-                                senders[segment] = max(senders.get(segment, 0),
-                                                       int(header.get("first", 0)))
-                    elif intact and segment is not None:
-                        senders[segment] += 1
-                if not intact:
-                    position = data.find(SYNC, position + 1)
-                    if position < 0:
-                        break
-                    continue
-                position = intact_end = end
-    return senders, intact_end, framed
-
-
-def _unpack(payload) -> Any:
-    try:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
-    except Exception:  # noqa: BLE001 (any undecodable header is simply not one)
-        return None
-
-
 class Collector:
     """Writes incoming records to per-run files; ``serve`` runs it until cancelled."""
 
@@ -205,14 +133,15 @@ class Collector:
                  limits: CollectorLimits | None = None, insecure: bool = False,
                  tls: ssl.SSLContext | None = None) -> None:
         self.out_dir = os.fspath(out_dir)
-        self.tls = tls  # a server context (tls_context()): clients then need SocketSink(tls_ca_file=)
+        # A server context (tls_context()): clients then need SocketSink(tls_ca_file=...).
+        self.tls = tls
         os.makedirs(self.out_dir, exist_ok=True)
         self.limits = limits or CollectorLimits()
         self.insecure = insecure
         self._token = token.encode() if token else None
         # Both keyed by the run file's path: run names that sanitise alike share one file, so
         # they must share its bookkeeping.
-        self._runs: collections.OrderedDict[str, _RunFile] = collections.OrderedDict()
+        self._runs: collections.OrderedDict[str, RunFile] = collections.OrderedDict()
         self._written: dict[str, dict[str, int]] = {}  # path -> sender -> next unwritten sequence
         self._writers: set[asyncio.StreamWriter] = set()
         # Connections that have not sent a valid header yet, oldest first, and their peers.
@@ -237,7 +166,7 @@ class Collector:
     def path_for(self, run: str) -> str:
         return os.path.join(self.out_dir, (_SAFE_RUN.sub("_", run) or "run") + ".hcbs")
 
-    def _run_file(self, run: str) -> _RunFile:
+    def _run_file(self, run: str) -> RunFile:
         path = self.path_for(run)
         run_file = self._runs.get(path)
         if run_file is not None:
@@ -248,17 +177,17 @@ class Collector:
             if os.path.exists(path):
                 senders, intact_end, framed = scan_run_file(path)
                 if framed and intact_end < os.path.getsize(path):
-                    logger.warning("collector: %s ends in a torn frame (a crash mid-write); cutting "
-                                   "it off at byte %d before appending", path, intact_end)
+                    logger.warning("collector: %s ends in a torn frame (a crash mid-write); "
+                                   "cutting it off at byte %d before appending", path, intact_end)
                     os.truncate(path, intact_end)
             self._written[path] = senders
         while len(self._runs) >= self.limits.max_open_runs:
             _, oldest = self._runs.popitem(last=False)
             oldest.file.close()
-        run_file = _RunFile(path)
+        run_file = RunFile(path)
         if run_file.file.tell() == 0:
             try:
-                write_all(run_file.file, frame_item(stream_header(run=run, collected=True)))
+                write_all(run_file.file, file_header(run))
             except OSError:
                 run_file.file.truncate(0)
                 run_file.file.close()
@@ -272,8 +201,7 @@ class Collector:
         run_file = self._run_file(run)
         parts = []
         if run_file.segment != (sender, first):
-            parts.append(frame_item({"format": FORMAT, "version": 2, "run": run, "source": source,
-                                     "sender": sender, "first": first}))
+            parts.append(segment_header(run, source, sender, first))
         parts.append(data)
         blob = b"".join(parts) if len(parts) > 1 else data
         before = run_file.file.tell()
@@ -283,8 +211,8 @@ class Collector:
             run_file.file.truncate(before)
             run_file.file.seek(before)  # else tell() stays past the end and misleads the next
             run_file.segment = None
-            raise _Refuse("write failed", f"the collector cannot write {run_file.path}: "
-                                          f"{error.strerror or error}") from error
+            raise Refuse(Reason.WRITE_FAILED, path=run_file.path,
+                         error=error.strerror or error) from error
         run_file.segment = (sender, first + count)
         self._written[run_file.path][sender] = first + count
         self.records_written += count
@@ -331,23 +259,6 @@ class Collector:
         logger.warning("collector: dropping %s: %s (logged once per host; counted in refused)",
                        peer, message)
 
-    def _check_header(self, payload: bytes) -> dict[str, Any]:
-        header = _unpack(payload)
-        if not isinstance(header, dict) or header.get("format") != FORMAT:
-            raise _Refuse("not a stream", "the first frame is not a hostcallback stream header")
-        if header.get("version") != 2:
-            raise _Refuse("version", f"stream version {header.get('version')} is not supported "
-                                     "by this collector (it takes version 2: upgrade the sender)")
-        if self._token is not None:
-            given = header.get("token")
-            given = given.encode() if isinstance(given, str) else b""
-            if not hmac.compare_digest(given, self._token):
-                raise _Refuse("token", "wrong or missing token (set HOSTCALLBACK_COLLECTOR_TOKEN "
-                                       "or SocketSink(token=...) to the collector's token)")
-        if not isinstance(header.get("sender"), str) or not isinstance(header.get("first"), int):
-            raise _Refuse("not a stream", "the stream header has no sender and first sequence")
-        return header
-
     def _frames(self, buffer: bytearray, limit: int, records: bool) -> tuple[int, int]:
         """How many complete, intact frames ``buffer`` starts with (records only, or just the
         header), and their bytes; raises for damage or a frame over ``limit``."""
@@ -356,29 +267,27 @@ class Collector:
             while size - position >= FRAME.size:
                 marker, length, crc = FRAME.unpack_from(buffer, position)
                 if marker != SYNC:
-                    raise _Refuse("garbage", "bytes that are not a stream frame")
+                    raise Refuse(Reason.NOT_A_FRAME)
                 if records and count and (length > limit or length == 0):
                     break  # take the records before it first (a heartbeat, or one too large)
                 if length > limit:
-                    raise _Refuse("too large", f"a {'record' if records else 'header'} of "
-                                               f"{length} bytes is {TOO_LARGE} {limit} bytes")
+                    raise Refuse(Reason.RECORD_TOO_LARGE if records else Reason.HEADER_TOO_LARGE,
+                                 limit, size=length)
                 end = position + FRAME.size + length
                 if end > size:
                     break
                 payload = view[position + FRAME.size:end]
                 if zlib.crc32(payload) != crc:
-                    raise _Refuse("garbage", "a frame whose CRC-32 does not match")
+                    raise Refuse(Reason.BAD_CRC)
                 # Only records: a header among them could forge another sender or source.
-                if records and (length < 6 or payload[0] not in _MAP_TYPES
-                                or bytes(payload[1:6]) != _RECORD_START):
-                    raise _Refuse("garbage", "a frame that is not a record (a record is a map "
-                                             "whose first key is 'name')")
+                if records and not is_record(payload):
+                    raise Refuse(Reason.NOT_A_RECORD)
                 count += 1
                 position = end
                 if not records:
                     return count, position
             if size - position and not SYNC.startswith(bytes(view[position:position + 4])):
-                raise _Refuse("garbage", "bytes that are not a stream frame")
+                raise Refuse(Reason.NOT_A_FRAME)
         return count, position
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -419,18 +328,17 @@ class Collector:
                     chunk = await asyncio.wait_for(reader.read(_READ_BYTES), max(0.0, wait))
                 except asyncio.TimeoutError:
                     if header is None:
-                        raise _Refuse("stalled", f"no whole stream header within "
-                                                 f"{self.limits.stall_seconds} s") from None
+                        raise Refuse(Reason.HEADER_STALLED,
+                                     seconds=self.limits.stall_seconds) from None
                     if not waiting:
-                        raise _Refuse("idle", f"no record or heartbeat for "
-                                              f"{self.limits.idle_seconds} s") from None
-                    raise _Refuse("stalled", f"no bytes for {self.limits.stall_seconds} s "
-                                             "in the middle of a record") from None
+                        raise Refuse(Reason.IDLE, seconds=self.limits.idle_seconds) from None
+                    raise Refuse(Reason.RECORD_STALLED,
+                                 seconds=self.limits.stall_seconds) from None
                 if not chunk:
                     if header is None and writer not in self._unauthenticated:
                         break  # dropped for a newer connection (logged there)
                     if header is None:
-                        raise _Refuse("no header", "closed before sending a stream header")
+                        raise Refuse(Reason.NO_HEADER)
                     if received == 0:
                         self._log_once(peer, "no records", "closed without sending a record")
                     break  # a torn last record is sent again by its sender
@@ -439,14 +347,12 @@ class Collector:
                     found, used = self._frames(buffer, _HEADER_BYTES, records=False)
                     if not found:
                         continue
-                    header = self._check_header(bytes(buffer[FRAME.size:used]))
+                    header = check_sender_header(bytes(buffer[FRAME.size:used]), self._token)
                     del buffer[:used]
                     del self._unauthenticated[writer]
                     if self.clients >= self.limits.max_clients and \
                             header["sender"] not in self._senders:  # a reconnect replaces one
-                        raise _Refuse("too many clients",
-                                      f"the collector already serves {self.limits.max_clients} "
-                                      "clients (its limit)")
+                        raise Refuse(Reason.TOO_MANY_CLIENTS, self.limits.max_clients)
                     self.clients += 1
                     authenticated = True
                     run = str(header.get("run", "run"))
@@ -475,13 +381,13 @@ class Collector:
                     try:  # a client that reads no acknowledgements must not hold a slot forever
                         await asyncio.wait_for(writer.drain(), self.limits.stall_seconds)
                     except asyncio.TimeoutError:
-                        raise _Refuse("stalled", f"it read no acknowledgements for "
-                                                 f"{self.limits.stall_seconds} s") from None
-        except _Refuse as refusal:
-            self._log_once(peer, refusal.kind, refusal.reason)
-            reason = refusal.reason.encode()
+                        raise Refuse(Reason.ACKNOWLEDGEMENTS_UNREAD,
+                                     seconds=self.limits.stall_seconds) from None
+        except Refuse as refuse:
+            refusal = refuse.refusal
+            self._log_once(peer, _KINDS[refusal.reason], refusal.text)
             try:
-                writer.write(ACK.pack(REFUSED) + REASON.pack(len(reason)) + reason)
+                writer.write(refusal.pack())
                 await asyncio.wait_for(writer.drain(), 1.0)
             except (ConnectionError, asyncio.TimeoutError):
                 pass
@@ -502,15 +408,14 @@ class Collector:
         """Writes the records of ``buffer[:used]`` (sequence numbers ``first``...) that this
         sender's run file does not hold yet."""
         if self._closing:  # a handler that waited (for disk) past shutdown
-            raise _Refuse("closing", "the collector is shutting down")
+            raise Refuse(Reason.SHUTTING_DOWN)
         path = self.path_for(run)
         try:
             if path not in self._written:
                 self._run_file(run)  # rebuilds what the run file holds
             skip = max(0, min(count, self._written[path].get(sender, 0) - first))
         except OSError as error:  # cannot open, scan or truncate the run file
-            raise _Refuse("write failed", f"the collector cannot write {path}: "
-                                          f"{error.strerror or error}") from error
+            raise Refuse(Reason.WRITE_FAILED, path=path, error=error.strerror or error) from error
         start = 0
         for _ in range(skip):
             start += FRAME.size + FRAME.unpack_from(buffer, start)[1]
@@ -520,8 +425,8 @@ class Collector:
                 self._write(run, sender, source, first + skip, bytes(buffer[start:used]),
                             count - skip)
             except OSError as error:  # reopening an LRU-closed run file
-                raise _Refuse("write failed", f"the collector cannot write {path}: "
-                                              f"{error.strerror or error}") from error
+                raise Refuse(Reason.WRITE_FAILED, path=path,
+                             error=error.strerror or error) from error
 
     # ---- serving ----
 
@@ -619,86 +524,3 @@ class CollectorThread:
             self._loop.call_soon_threadsafe(self._task.cancel)
         if self._thread is not None:
             self._thread.join(10)
-
-
-# ---- the command line: python -m hostcallback.consumer collect ----
-
-
-def add_collect_arguments(parser: argparse.ArgumentParser) -> None:
-    defaults = CollectorLimits()
-    parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default 127.0.0.1; another needs a token "
-                             "or --insecure)")
-    parser.add_argument("--port", type=int, required=True, help="TCP port; 0 picks a free one")
-    parser.add_argument("--out", required=True, help="directory for the run files")
-    parser.add_argument("--token-file", help=f"file holding the shared token (else "
-                                             f"${TOKEN_VARIABLE}); never printed")
-    parser.add_argument("--insecure", action="store_true",
-                        help="listen beyond loopback without a token")
-    parser.add_argument("--tls-cert", help="PEM certificate chain: serve over TLS (senders pass "
-                                           "SocketSink(tls_ca_file=...))")
-    parser.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    parser.add_argument("--max-record-bytes", type=int, default=defaults.max_record_bytes,
-                        help="largest record accepted; a sender of a bigger one is told why and "
-                             "dropped (default %(default)s)")
-    parser.add_argument("--max-clients", type=int, default=defaults.max_clients,
-                        help="connections served at once; more are refused (default %(default)s)")
-    parser.add_argument("--max-open-runs", type=int, default=defaults.max_open_runs,
-                        help="run files kept open; the least recently used is closed and "
-                             "reopened on demand (default %(default)s)")
-    parser.add_argument("--min-free-bytes", type=int, default=defaults.min_free_bytes,
-                        help="free disk below which no record is taken, senders wait "
-                             "(default %(default)s)")
-    parser.add_argument("--stall-seconds", type=float, default=defaults.stall_seconds,
-                        help="a sender silent this long mid-record is dropped "
-                             "(default %(default)s)")
-    parser.add_argument("--idle-seconds", type=float, default=defaults.idle_seconds,
-                        help="a sender that sends no record or heartbeat this long is dropped; "
-                             "SocketSink beats every 30 s (default %(default)s)")
-
-
-def collect_command(args: argparse.Namespace) -> int:
-    """Serves until SIGINT or SIGTERM; prints the address at start and the counts at the end."""
-    logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    try:
-        if bool(args.tls_cert) != bool(args.tls_key):
-            raise CollectorConfigError("--tls-cert and --tls-key go together: pass both")
-        tls = tls_context(args.tls_cert, args.tls_key) if args.tls_cert else None
-        collector = Collector(args.out, token=read_token(args.token_file), insecure=args.insecure,
-                              tls=tls,
-                              limits=CollectorLimits(args.max_record_bytes, args.max_clients,
-                                                     args.max_open_runs, args.min_free_bytes,
-                                                     args.stall_seconds, args.idle_seconds))
-        collector.check_bind(args.host)
-    except (CollectorConfigError, OSError, ssl.SSLError) as error:
-        complain("collect", str(error))
-        return 2
-
-    async def run() -> None:
-        ready = asyncio.Event()
-        task = asyncio.ensure_future(collector.serve(args.host, args.port, ready))
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, task.cancel)
-        waiting = asyncio.ensure_future(ready.wait())
-        await asyncio.wait([task, waiting], return_when=asyncio.FIRST_COMPLETED)
-        if ready.is_set():
-            print(f"collector listening on {args.host}:{collector.port}, writing to {args.out}",
-                  flush=True)
-        waiting.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-
-    try:
-        asyncio.run(run())
-    except KeyboardInterrupt:  # before the signal handlers were in place
-        pass
-    except OSError as error:
-        what = "address already in use" if error.errno in (98, 48) else error.strerror or error
-        complain("collect", f"cannot listen on {args.host}:{args.port}: {what} (another "
-                 "collector? pick another --port, or --port 0 for a free one)")
-        return 1
-    print(f"collector stopped: {collector.counts()}", flush=True)
-    return 0

@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 from jax import tree_util
 
+from .record_layout import LEAVES, SEQUENCE
 from .stream import TapRecord, encode_value, frame_item, pack
-from hostcallback._native import outfeed
-from hostcallback.batches import RecordBatch
+from hostcallback._native import outfeed  # the compiled framing; to be given a declared interface
+from hostcallback.addons import RecordBatch
 
 _STEP_KINDS = ("i", "u", "b")  # integer and bool steps; a float step is int()-ed in Python
 
@@ -69,7 +70,7 @@ def make_template(batch: RecordBatch, fields: dict[str, Any]) -> FrameTemplate |
 
 def _checked_template(batch: RecordBatch, fields: dict[str, Any]) -> FrameTemplate | None:
     consumer, first = batch.consumer, batch.records[batch.start]
-    leaves = first[4]
+    leaves = first[LEAVES]
     if consumer.key_impls or not all(type(leaf) is np.ndarray for leaf in leaves):
         return None
     nonce = uuid.uuid4().hex
@@ -99,7 +100,7 @@ def _checked_template(batch: RecordBatch, fields: dict[str, Any]) -> FrameTempla
     template = FrameTemplate(pieces, leaves, step_leaf, step_kind, step_size)
     now = time.time()
     value = consumer.arg_of(leaves)
-    expected = frame_item(TapRecord(value=value, step=step_of(value), sequence=first[2],
+    expected = frame_item(TapRecord(value=value, step=step_of(value), sequence=first[SEQUENCE],
                                     time=now, transforms=list(batch.transforms),
                                     **fields).to_map())
     first_only = RecordBatch(batch.records, batch.start, batch.start + 1, consumer, batch.device)

@@ -19,9 +19,9 @@ The bar closes when the last step arrives. ``progress_fori_loop`` and ``progress
 before the loop's results are ready: with a ProgressSink, their last report is followed by a
 ``call`` that waits until the bar is drawn, so its last line is out before the code after the
 computation prints. That is one host round trip per loop, and, as for any computation with a
-``call``, dispatch on CPU waits for the computation. Every other report is an ordinary tap, handled on the receiver threads
-without blocking the device. tqdm is needed only for a terminal (the ``progress`` extra); this
-module never imports it otherwise.
+``call``, dispatch on CPU waits for the computation. Every other report is an ordinary tap,
+handled on the receiver threads without blocking the device. tqdm is needed only for a terminal
+(the ``progress`` extra); this module never imports it otherwise.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ import numpy as np
 from jax import lax
 
 import hostcallback
-from .sinks import Sink, tap_to
+from .sink_base import Sink, tap_to
 from .stream import TapRecord
-from hostcallback.receiver import receivers
+from hostcallback.addons import add_flush_hook
 
 
 def _is_terminal(file: TextIO) -> bool:
@@ -91,7 +91,7 @@ class ProgressSink(Sink):
             self.use_bar = _is_terminal(self._out())
         if self.use_bar:
             _import_tqdm()  # fail here, at construction, rather than on a receiver thread
-        receivers.add_flush_hook(self)
+        add_flush_hook(self)
 
     def _out(self) -> TextIO:
         return self.file if self.file is not None else sys.stderr

@@ -15,8 +15,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .sinks import scalar_series
-from .stream import TapRecord, read_stream
+from .stats_sink import scalar_series
+from .stream import TapRecord
+from .stream_files import read_stream
 
 
 def source_of(record: TapRecord) -> str:

@@ -9,21 +9,22 @@ the other ml_dtypes included, round-trips bit for bit.
 Readers keep every intact record: after damage they resynchronise at the next sync marker and
 report the skipped byte range; a torn last record (a crash mid-write) is reported the same way.
 Version-1 streams (plain msgpack maps, no frames) still read. This module never touches JAX.
+
+Beside it: ``record_framer`` (a tap site's frames packed fast, byte for byte these), and
+``stream_files`` (a stream's files: reading them whole, rotated, or following a growing one).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-import logging
 import os
-import re
 import socket
 import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, BinaryIO
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 and friends with numpy by name)
@@ -42,23 +43,9 @@ FRAME = struct.Struct("<4sII")
 # Every version-1 record written by TapRecord.to_map starts with these bytes (a 12-entry map whose
 # first key is "name"): where version-1 readers resynchronise.
 _V1_RECORD = b"\x8c\xa4name"
-
-# Over TCP the collector answers with the number of records it has received on the connection
-# so far, as one of these, after each batch it writes; the sender forgets what is acknowledged.
-# REFUSED instead, then a uint32 length and a UTF-8 reason, means the collector hangs up on purpose.
-ACK = struct.Struct("<Q")
-REFUSED = (1 << 64) - 1
-REASON = struct.Struct("<I")
-# The collector's refusal of a record over its --max-record-bytes says "... is {TOO_LARGE} N bytes";
-# SocketSink then drops that record alone and lowers its own limit to N.
-TOO_LARGE = "over the collector's limit of"
-# An empty frame: SocketSink sends one when idle, so the collector knows it is alive. The collector
-# never writes it to a run file.
-HEARTBEAT = FRAME.pack(SYNC, 0, 0)
-# The shared token a collector may require; SocketSink presents it in its stream header.
-TOKEN_VARIABLE = "HOSTCALLBACK_COLLECTOR_TOKEN"
-
-logger = logging.getLogger("hostcallback.stream")
+# A record's map starts with its first key, "name" (TapRecord.to_map writes it first): how a record
+# frame is told from a header without decoding it.
+RECORD_START = b"\xa4name"
 
 _ARRAY = "__ndarray__"
 _TUPLE = "__tuple__"
@@ -202,7 +189,7 @@ def stream_header(**extra: Any) -> dict[str, Any]:
 _packers = threading.local()  # a Packer per thread: packb makes a new one per call
 
 
-def _packer() -> msgpack.Packer:
+def thread_packer() -> msgpack.Packer:
     """This thread's Packer (a Packer is not thread-safe)."""
     packer = getattr(_packers, "packer", None)
     if packer is None:
@@ -211,7 +198,7 @@ def _packer() -> msgpack.Packer:
 
 
 def pack(item: Any) -> bytes:
-    return _packer().pack(item)
+    return thread_packer().pack(item)
 
 
 def frame(payload: bytes) -> bytes:
@@ -222,110 +209,6 @@ def frame(payload: bytes) -> bytes:
 def frame_item(item: dict[str, Any]) -> bytes:
     """A header or record map, packed and framed: what writers append, one whole frame per write."""
     return frame(pack(item))
-
-
-# ---- the fast path: frames of one tap site's records, without a TapRecord ---------------------
-
-# What to_map's record fields change per record, in to_map's order; RecordFramer packs every
-# other field once. ("device" and "device_id" change per device only.)
-_VARYING_FIELDS = ("value", "step", "device", "device_id", "sequence", "time", "transforms")
-_SMALL_ARRAY_BYTES = 1 << 16  # larger arrays take the general path: their copy is the cost
-# (dict key or None, dtype, shape) -> the packed key and encode_value(array) packed, all but
-# the array's data: the same for every array of that dtype and shape.
-_ARRAY_HEADS: dict[tuple[str | None, np.dtype, tuple[int, ...]], bytes] = {}
-
-
-def _array_head(key: str | None, array: np.ndarray) -> bytes:
-    packed = pack(encode_value(np.zeros(array.shape, array.dtype)))
-    head = packed[:len(packed) - array.nbytes]
-    if key is not None:
-        head = pack(key) + head
-    if len(_ARRAY_HEADS) >= 4096:  # shapes and keys that never repeat must not grow it for ever
-        _ARRAY_HEADS.clear()
-    _ARRAY_HEADS[(key, array.dtype, array.shape)] = head
-    return head
-
-
-def _pack_value(value: Any, parts: list[bytes], packer: msgpack.Packer) -> None:
-    """Appends pack(encode_value(value)) to ``parts``, in pieces: small arrays, alone or in
-    str-keyed dicts (what taps deliver), without building encode_value's maps; anything else
-    as it is."""
-    kind = type(value)
-    if kind is dict:
-        start = len(parts)
-        parts.append(packer.pack_map_header(len(value)))
-        for key, item in value.items():
-            if type(item) is np.ndarray:  # the heads cached are of str keys and small arrays
-                head = _ARRAY_HEADS.get((key, item.dtype, item.shape))
-                if head is not None:
-                    parts.append(head)
-                    parts.append(item.tobytes())
-                    continue
-            if type(key) is not str:  # encode_value's form for other keys
-                del parts[start:]
-                parts.append(packer.pack(encode_value(value)))
-                return
-            if type(item) is np.ndarray and item.nbytes <= _SMALL_ARRAY_BYTES \
-                    and item.dtype.isnative:  # the head names the dtype; tobytes() keeps its order
-                parts.append(_array_head(key, item))
-                parts.append(item.tobytes())
-            else:
-                parts.append(packer.pack(key))
-                _pack_value(item, parts, packer)
-    elif kind is np.ndarray and value.nbytes <= _SMALL_ARRAY_BYTES and value.dtype.isnative:
-        parts.append(_ARRAY_HEADS.get((None, value.dtype, value.shape))
-                     or _array_head(None, value))
-        parts.append(value.tobytes())
-    else:
-        parts.append(packer.pack(encode_value(value)))
-
-
-class RecordFramer:
-    """The frames of one tap site's records, byte for byte what ``frame_item(TapRecord(...)
-    .to_map())`` gives, for a third of the cost: the fields that never change between records
-    (name, metadata, process, host, the field names; a device's name and id; the transforms)
-    are packed once, and a value's small arrays go out without encode_value's maps. The record
-    layout comes from to_map, so the two cannot drift apart."""
-
-    def __init__(self, name: str, metadata: dict[str, Any], process: int, host: str) -> None:
-        fields = TapRecord(name=name, value=None, metadata=metadata, process=process,
-                           host=host).to_map()
-        varying = tuple(key for key in fields if key in _VARYING_FIELDS)
-        if varying != _VARYING_FIELDS:  # to_map changed: _VARYING_FIELDS must follow it
-            raise AssertionError(f"TapRecord.to_map orders its fields {varying}")
-        packer = msgpack.Packer(use_bin_type=True)
-        constants = [packer.pack_map_header(len(fields))]
-        for key, item in fields.items():
-            constants[-1] += packer.pack(key)
-            if key in _VARYING_FIELDS:
-                constants.append(b"")
-            else:
-                constants[-1] += packer.pack(item)
-        # Before value, step, device, device_id, sequence, time, transforms; after transforms.
-        (self._head, self._before_step, self._before_device, self._before_device_id,
-         self._before_sequence, self._before_time, self._before_transforms,
-         self._tail) = constants
-        self._devices: dict[int, tuple[str, bytes]] = {}  # device id -> (name, packed)
-        self._transforms: tuple[Any, bytes] = (object(), b"")  # the last seen, packed
-
-    def frame(self, value: Any, step: int | None, device: str, device_id: int, sequence: int,
-              time: float, transforms: Any) -> bytes:
-        packer = _packer()
-        parts = [self._head]
-        _pack_value(value, parts, packer)
-        name_and_part = self._devices.get(device_id)
-        if name_and_part is None or name_and_part[0] != device:
-            name_and_part = self._devices[device_id] = (device, (
-                self._before_device + packer.pack(device) + self._before_device_id
-                + packer.pack(device_id) + self._before_sequence))
-        last, packed_transforms = self._transforms
-        if transforms is not last:  # a consumer's transforms are one tuple, passed every time
-            packed_transforms = packer.pack([encode_value(t) for t in transforms]) + self._tail
-            self._transforms = (transforms, packed_transforms)
-        pack = packer.pack
-        parts += (self._before_step, pack(step), name_and_part[1], pack(sequence), self._before_time,
-                  pack(time), self._before_transforms, packed_transforms)
-        return frame(b"".join(parts))
 
 
 class StreamWriter:
@@ -360,7 +243,8 @@ class SkippedRange:
     reason: str
 
     def __str__(self) -> str:
-        return f"skipped bytes {self.start}-{self.end} ({self.end - self.start} bytes): {self.reason}"
+        return (f"skipped bytes {self.start}-{self.end} ({self.end - self.start} bytes): "
+                f"{self.reason}")
 
 
 class _Damaged(Exception):
@@ -578,125 +462,6 @@ class StreamReader:
         if not record.source:
             record.source = self._source
         records.append(record)
-
-
-def _warn_skipped(name: str) -> Callable[[SkippedRange], None]:
-    def report(skipped: SkippedRange) -> None:
-        logger.warning("%s: %s; every intact record before and after it is kept", name, skipped)
-    return report
-
-
-def read_records(path_or_file, skipped: list[SkippedRange] | None = None) -> Iterator[TapRecord]:
-    """Every intact record of a stream file, in order.
-
-    Damaged regions and a torn last record are skipped; each skipped byte range is appended to
-    ``skipped`` if given, else logged as a warning on ``hostcallback.stream``.
-    """
-    file = open(path_or_file, "rb") if isinstance(path_or_file, (str, os.PathLike)) else path_or_file  # noqa: SIM115
-    name = os.fspath(path_or_file) if file is not path_or_file else getattr(file, "name", "stream")
-    reader = StreamReader(on_skip=skipped.append if skipped is not None else _warn_skipped(name),
-                          following=False)
-    try:
-        while True:
-            chunk = file.read(1 << 20)
-            if not chunk:
-                break
-            yield from reader.feed(chunk)
-        yield from reader.finish()
-    finally:
-        if file is not path_or_file:
-            file.close()
-
-
-def stream_files(path: str | os.PathLike) -> list[str]:
-    """A stream's files, oldest first: ``path.N`` ... ``path.1`` (rotated by FileSink), ``path``."""
-    path = os.fspath(path)
-    directory, base = os.path.split(path)
-    pattern = re.compile(re.escape(base) + r"\.(\d+)$")
-    rotated = []
-    for entry in os.listdir(directory or "."):
-        match = pattern.match(entry)
-        if match:
-            rotated.append((int(match.group(1)), os.path.join(directory, entry)))
-    files = [name for _, name in sorted(rotated, reverse=True)]
-    if os.path.exists(path) or not files:
-        files.append(path)
-    return files
-
-
-def read_stream(path: str | os.PathLike,
-                skipped: list[SkippedRange] | None = None) -> Iterator[TapRecord]:
-    """Every intact record of a stream and its rotated files, oldest first."""
-    for name in stream_files(path):
-        yield from read_records(name, skipped)
-
-
-def _listing(path: str) -> list[tuple[str, int]] | None:
-    try:
-        return [(name, os.stat(name).st_ino) for name in stream_files(path)]
-    except FileNotFoundError:  # a rotation is renaming files right now
-        return None
-
-
-def _open_next(path: str, inode: int) -> BinaryIO:
-    """The file written after the one with ``inode``, once ``path`` rotated (maybe many times)."""
-    while True:
-        listing = _listing(path)
-        if listing is None or listing != _listing(path):  # only a listing that holds still
-            time.sleep(0.01)
-            continue
-        inodes = [number for _, number in listing]
-        # If ours was rotated away, every file left is newer: the oldest comes next.
-        index = inodes.index(inode) + 1 if inode in inodes else 0
-        name, expected = listing[min(index, len(listing) - 1)]
-        try:
-            file = open(name, "rb")  # noqa: SIM115 (the caller owns it)
-        except FileNotFoundError:
-            continue
-        if os.fstat(file.fileno()).st_ino == expected:
-            return file
-        file.close()
-
-
-def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
-                   should_stop: Callable[[], bool] | None = None) -> Iterator[TapRecord]:
-    """The records of a growing stream file, as they are written; follows rotation.
-
-    When FileSink rotates ``path`` to ``path.1`` (once or many times between two looks), the rest
-    of the old file is read, then each newer file in turn. Damage is skipped and logged as in
-    read_records. Ends when ``should_stop()`` is true at the end of the data.
-    """
-    path = os.fspath(path)
-    file = open(path, "rb")  # noqa: SIM115 (replaced as the stream rotates)
-    reader = StreamReader(on_skip=_warn_skipped(path))
-    try:
-        while True:
-            chunk = file.read(1 << 20)
-            if chunk:
-                yield from reader.feed(chunk)
-                continue
-            try:
-                current = os.stat(path)
-            except FileNotFoundError:  # between a rotation's rename and the new file
-                current = None
-            opened = os.fstat(file.fileno())
-            if current is not None and current.st_ino != opened.st_ino:
-                chunk = file.read()  # a last write may have landed since
-                records = reader.feed(chunk) + reader.finish() if chunk else reader.finish()
-                yield from records
-                # Open the next file while the old one is still open: its inode cannot be
-                # reused by a newer file meanwhile (rotation deletes the oldest), which would make
-                # _open_next take the newer file for the old one.
-                following = _open_next(path, opened.st_ino)
-                file.close()
-                file = following
-                reader = StreamReader(on_skip=_warn_skipped(file.name))
-                continue
-            if should_stop is not None and should_stop():
-                return
-            time.sleep(poll_seconds)
-    finally:
-        file.close()
 
 
 def dumps(records: list[TapRecord], **header: Any) -> bytes:

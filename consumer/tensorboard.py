@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from .sinks import Sink
+from .sink_base import Sink
 from .stream import TapRecord
-from hostcallback.receiver import receivers
+from hostcallback.addons import add_flush_hook
 
 logger = logging.getLogger("hostcallback.tensorboard")
 
@@ -92,7 +92,7 @@ class TensorBoardSink(Sink):
         self._writers: dict[str, Any] = {}
         self._counters: dict[tuple[str, str], int] = {}
         self._closed = False
-        receivers.add_flush_hook(self)
+        add_flush_hook(self)
 
     def _writer_for(self, record: TapRecord):
         run = f"dev{record.device_id}" if self.per_device and record.device_id >= 0 else ""

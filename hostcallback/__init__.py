@@ -30,11 +30,8 @@ if TYPE_CHECKING:
                                   stop_outfeed_receiver,
                                   taps_delivered,
     )
-    from hostcallback.receiver import (
-                                  CallbackException,
-                                  ReceiverStoppedError,
-                                  reset_peak_bytes_queued,
-    )
+    from hostcallback.failures import CallbackException
+    from hostcallback.receiver import ReceiverStoppedError, reset_peak_bytes_queued
 
 __version__ = "0.1.0"
 
@@ -73,8 +70,8 @@ __all__ = [
 _IMPORTED_ON_FIRST_USE = {
     **dict.fromkeys(("barrier_wait", "call", "id_print", "id_tap", "pure_callback", "queue_stats",
                      "stop_outfeed_receiver", "taps_delivered"), "hostcallback.api"),
-    **dict.fromkeys(("CallbackException", "ReceiverStoppedError", "reset_peak_bytes_queued"),
-                    "hostcallback.receiver"),
+    "CallbackException": "hostcallback.failures",
+    **dict.fromkeys(("ReceiverStoppedError", "reset_peak_bytes_queued"), "hostcallback.receiver"),
 }
 
 

@@ -1,4 +1,8 @@
-"""hostcallback demo (or python -m hostcallback demo): runs the demo training loop."""
+"""hostcallback demo (or python -m hostcallback demo): runs the demo training loop.
+
+The command line sits above every layer: the demo is written on the consumers
+(hostcallback.consumer.demo), as a user's program would be.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="where the record stream and loss plot go (default hostcallback-demo/)")
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from hostcallback import demo as demo_module
+        from hostcallback.consumer import demo as demo_module
 
         demo_module.run(steps=args.steps, out_dir=args.out)
     return 0

@@ -22,8 +22,9 @@ from jax import tree_util
 from hostcallback import _jax as jx
 from hostcallback import binding, config, printing, reentry, transport, wire
 from hostcallback.flavors import CallbackFlavor, check_vmap_method, flavor_of
+from hostcallback.lifecycle import lifecycle
 from hostcallback.receiver import receivers
-from hostcallback.registry import Consumer, registry
+from hostcallback.registry import Consumer, EqualByKey, registry
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 
@@ -68,7 +69,7 @@ def _tap(consumer: Consumer, leaves, device_index: int, ordered: bool | None,
             "by default): each shard's tap runs in its own per-device computation. Pass "
             "ordered=False.")
     reentry.refuse_inside_consumer("a call" if "result_avals" in call_params else "a tap")
-    receivers.ensure_started()
+    lifecycle.ensure_started()
     return binding.bind(
         leaves, consumer_id=registry.register(consumer), transport=transport.default_transport(),
         ordered=ordered, device_index=device_index, flavor=flavor.value, **call_params)
@@ -185,8 +186,8 @@ def _tap_only_params(partitioned: bool, replays: str) -> dict:
     return {"partitioned": bool(partitioned), "replays": replays}
 
 
-class _Printer:
-    """id_print's consumer; equal printers make equal consumers, so retracing reuses the id."""
+class _Printer(EqualByKey):
+    """id_print's consumer; equal for equal streams, thresholds and metadata."""
 
     __slots__ = ("metadata", "output_stream", "threshold")
 
@@ -197,18 +198,12 @@ class _Printer:
     def _key(self):
         return (id(self.output_stream), self.threshold, repr(sorted(self.metadata.items())))
 
-    def __eq__(self, other):
-        return isinstance(other, _Printer) and self._key() == other._key()
-
-    def __hash__(self):
-        return hash(self._key())
-
     def __call__(self, arg, transforms, device=None):
         printing.print_tap(arg, transforms, device=device, output_stream=self.output_stream,
                            threshold=self.threshold, **self.metadata)
 
 
-class _FormatPrinter:
+class _FormatPrinter(EqualByKey):
     """id_print's consumer for a format string; equal for equal strings and streams."""
 
     __slots__ = ("fmt", "output_stream")
@@ -218,12 +213,6 @@ class _FormatPrinter:
 
     def _key(self):
         return (self.fmt, id(self.output_stream))
-
-    def __eq__(self, other):
-        return isinstance(other, _FormatPrinter) and self._key() == other._key()
-
-    def __hash__(self):
-        return hash(self._key())
 
     def __call__(self, arg, transforms, device=None):
         args, kwargs = arg
@@ -312,7 +301,7 @@ def barrier_wait(logging_name: str | None = None, *, timeout: float | None = Non
     Raises CallbackException if a tap consumer raised since the last barrier (the first error is
     its ``__cause__``), and TimeoutError if ``timeout`` seconds pass first.
     """
-    receivers.barrier_wait(logging_name, timeout=timeout)
+    lifecycle.barrier_wait(logging_name, timeout=timeout)
 
 
 @contextlib.contextmanager
@@ -328,7 +317,7 @@ def taps_delivered(*, timeout: float | None = None) -> Iterator[None]:
             model.fit(x, y)          # its taps warn on a receiver thread
     """
     yield
-    receivers.barrier_wait(None, timeout=timeout)
+    lifecycle.barrier_wait(None, timeout=timeout)
 
 
 def stop_outfeed_receiver(*, timeout: float | None = None) -> None:
@@ -337,7 +326,7 @@ def stop_outfeed_receiver(*, timeout: float | None = None) -> None:
     Afterwards tracing a tap raises ReceiverStoppedError and running an already compiled
     computation with taps fails with an error that says the receiver was stopped.
     """
-    receivers.stop(timeout=timeout)
+    lifecycle.stop(timeout=timeout)
 
 
 def queue_stats() -> dict[Any, dict[str, Any]]:
@@ -450,7 +439,7 @@ def _result_shape_keyword(result_shape: Any, kwargs: dict) -> Any:
     return synonym
 
 
-class _CallWithArgs:
+class _CallWithArgs(EqualByKey):
     """Adapts ``callback(*args, **kwargs)`` to a call consumer's single argument; equal for equal
     callbacks, so that retracing reuses the consumer id."""
 
@@ -460,11 +449,8 @@ class _CallWithArgs:
         self.callback = callback
         self.__name__ = getattr(callback, "__name__", repr(callback))
 
-    def __eq__(self, other):
-        return isinstance(other, _CallWithArgs) and self.callback == other.callback
-
-    def __hash__(self):
-        return hash(self.callback)
+    def _key(self):
+        return self.callback
 
     def __call__(self, packed):
         args, kwargs = packed

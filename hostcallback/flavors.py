@@ -24,6 +24,10 @@ class CallbackFlavor(enum.Enum):
     XLA_ONLY = "io_callback"  # noqa: PIE796 (an alias on purpose)
 
 
+# The flavor as a tap's primitive carries it (its value).
+PURE_FLAVOR = CallbackFlavor.PURE.value
+
+
 def flavor_of(value: CallbackFlavor | str | None) -> CallbackFlavor:
     """Accepts the enum, its name or its value ("PURE", "pure"); None is the default."""
     if value is None:

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from hostcallback import _jax as jx
 from hostcallback._jax import patches
-from hostcallback.flavors import CallbackFlavor
+from hostcallback.flavors import PURE_FLAVOR
 
-_PURE = CallbackFlavor.PURE.value  # a PURE tap may be removed with what holds it
 _tap_primitives: set = set()
 
 
@@ -30,7 +29,7 @@ def contains_tap(jaxpr) -> bool:
     """Whether jaxpr holds a tap that must not be removed (a PURE one may be)."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)  # a ClosedJaxpr holds a Jaxpr
     for eqn in jaxpr.eqns:
-        if eqn.primitive in _tap_primitives and eqn.params.get("flavor") != _PURE:
+        if eqn.primitive in _tap_primitives and eqn.params.get("flavor") != PURE_FLAVOR:
             return True
         if any(contains_tap(sub) for sub in jx.jaxprs_in_params(eqn.params)):
             return True

@@ -22,11 +22,10 @@ from jax.experimental import io_callback
 from hostcallback import _jax as jx
 from hostcallback import transport, wire
 from hostcallback._native import outfeed
-from hostcallback.flavors import CallbackFlavor
+from hostcallback.flavors import PURE_FLAVOR
 from hostcallback.transport.native import CALL_TARGET, TAP_TARGET  # registers the handlers
 
 REPLAYS = ("deliver", "mark", "skip")  # the same words as the primitive; only deliver is done
-_PURE = CallbackFlavor.PURE.value
 _ALL_DEVICES = np.int64(-1)
 
 
@@ -68,7 +67,8 @@ def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
     if result_avals is not None:
         return _call(leaves, consumer_id, transport, result_avals, timeout_s, flavor,
                      vmap_method)
-    if flavor == _PURE:  # it would have to return its operands through the handler to be dropped
+    # A PURE tap would have to return its operands through the handler to be dropped.
+    if flavor == PURE_FLAVOR:
         _refuse("callback_flavor=PURE for a tap")
     stopped = [jax.lax.stop_gradient(leaf) for leaf in leaves]
     if _native_here(transport):
@@ -85,7 +85,7 @@ def _call(leaves, consumer_id, transport_name, result_avals, timeout_s, flavor, 
         _refuse(f"vmap_method={vmap_method!r} (only 'sequential' and 'sequential_unrolled')")
     shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in result_avals]
     if _native_here(transport_name):
-        outs = jax.ffi.ffi_call(CALL_TARGET, shapes, has_side_effect=flavor != _PURE,
+        outs = jax.ffi.ffi_call(CALL_TARGET, shapes, has_side_effect=flavor != PURE_FLAVOR,
                                 vmap_method=vmap_method)(
             *leaves, consumer_id=np.uint64(consumer_id), emit_device=_ALL_DEVICES,
             timeout_s=np.float64(timeout_s))
@@ -99,7 +99,7 @@ def _call(leaves, consumer_id, transport_name, result_avals, timeout_s, flavor, 
         return tuple(np.frombuffer(answer, dtype=s.dtype).reshape(s.shape)
                      for answer, s in zip(answers, shapes))
 
-    if flavor == _PURE:
+    if flavor == PURE_FLAVOR:
         outs = jax.pure_callback(call_on_host, tuple(shapes), *leaves,
                                  vmap_method=vmap_method)
     else:

@@ -27,6 +27,8 @@ from hostcallback._jax import ad, batching, ir, mlir
 from hostcallback.flavors import VMAP_METHODS, CallbackFlavor
 from hostcallback.program_order import ordered_tap_effect, program_order_effect
 from hostcallback.registry import registry
+from hostcallback.transport import callback as callback_transport
+from hostcallback.transport import emitter_for, register_lowering
 
 outside_call_p = jx.Primitive("outside_call")
 outside_call_p.multiple_results = True
@@ -218,9 +220,6 @@ def _token_chain(ctx) -> dict:
 
 
 def _lowering(ctx, *args, platform, **params):
-    from hostcallback.transport import callback as callback_transport
-    from hostcallback.transport import emitter_for
-
     consumer_id, transport, ordered, emit_device, result_avals, timeout_s = (
         params[k] for k in ("consumer_id", "transport", "ordered", "emit_device", "result_avals",
                             "timeout_s"))
@@ -247,9 +246,9 @@ def _lowering(ctx, *args, platform, **params):
                     # The per-shard computations XLA builds drop their own host callbacks, so the
                     # one they call is registered here, with the whole computation.
                     params["shard_callback"] = callback_transport.register_shard_callback(ctx)
-                return sharded_lowering.lower_partitioned(ctx, args, **params)
+                return sharded_lowering.lower_partitioned(ctx, args, outside_call_p, **params)
             del params["emit_device"]
-            return sharded_lowering.lower_on_one_device(ctx, args, **params)
+            return sharded_lowering.lower_on_one_device(ctx, args, outside_call_p, **params)
     emit = emitter_for(transport, platform)
     # The token that orders this tap after the previous one: JAX threads it through loops,
     # branches and calls (program_order.py); inside a per-shard module XLA builds, or for a PURE
@@ -291,11 +290,6 @@ def _lowering_passing_tokens_on(ctx, *args, platform, **params):
     return outs
 
 
-for _platform in ("cpu", "cuda", "rocm", "tpu"):
-    mlir.register_lowering(
-        outside_call_p,
-        lambda ctx, *args, _platform=_platform, **params: _lowering_passing_tokens_on(
-            ctx, *args, platform=_platform, **params),
-        platform=_platform, cacheable=False)
+register_lowering(outside_call_p, _lowering_passing_tokens_on, cacheable=False)
 
 __all__ = ["ALL_DEVICES", "bind", "outside_call_p"]

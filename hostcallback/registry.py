@@ -22,6 +22,22 @@ BARRIER_MARKER_ID = 0
 Transform = tuple  # ("batch", {"batch_dims": (0,)}) or ("jvp",) and so on
 
 
+class EqualByKey:
+    """A consumer function that is equal to another, and hashes alike, when their ``_key()``s
+    are: equal functions make equal consumers, so retracing reuses the consumer's id."""
+
+    __slots__ = ()
+
+    def _key(self) -> Any:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+
 @dataclasses.dataclass(frozen=True)
 class Consumer:
     """What to do with the records of one tap site."""

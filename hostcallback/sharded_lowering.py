@@ -24,6 +24,7 @@ from hostcallback import _jax as jx
 from hostcallback._jax import ir, mlir
 from hostcallback.flavors import CallbackFlavor
 from hostcallback.registry import registry
+from hostcallback.transport import emitter_for, register_lowering
 
 ALL_DEVICES = -1  # emit_device: each device that runs the tap enqueues
 NO_LOCAL_DEVICE = -2  # emit_device: the chosen device belongs to another process
@@ -60,10 +61,8 @@ def _plain(avals):
     return [jx.ShapedArray(a.shape, a.dtype) for a in avals]
 
 
-def lower_on_one_device(ctx, args, *, device_index, **params):
-    """The whole-value form: see the module docstring."""
-    from hostcallback.primitive import outside_call_p
-
+def lower_on_one_device(ctx, args, outside_call_p, *, device_index, **params):
+    """The whole-value form (see the module docstring) of a tap or call of ``outside_call_p``."""
     devices = ctx.module_context.axis_context.device_assignment
     mesh_devices = np.empty(len(devices), dtype=object)
     mesh_devices[:] = list(devices)
@@ -119,8 +118,6 @@ shared_call_check_p.def_abstract_eval(
 
 
 def _check_lowering(ctx, failed, *values, consumer_id, transport, platform):
-    from hostcallback.transport import emitter_for
-
     op_sharding = None
     if isinstance(ctx.module_context.axis_context, jx.SPMDAxisContext):
         op_sharding = manual_sharding([v.ndim for v in ctx.avals_out])
@@ -129,12 +126,7 @@ def _check_lowering(ctx, failed, *values, consumer_id, transport, platform):
                                                   op_sharding=op_sharding)
 
 
-for _platform in ("cpu", "cuda", "rocm", "tpu"):
-    mlir.register_lowering(
-        shared_call_check_p,
-        lambda ctx, *args, _platform=_platform, **params: _check_lowering(
-            ctx, *args, platform=_platform, **params),
-        platform=_platform)
+register_lowering(shared_call_check_p, _check_lowering)
 
 
 def _share_from_caller(x, axis_name):
@@ -165,10 +157,8 @@ def shard_transform(shardings, global_shapes, device) -> tuple:
                       "global_shape": tuple(tuple(s) for s in global_shapes)})
 
 
-def lower_partitioned(ctx, args, *, consumer_id, **params):
-    """The per-shard form: see the module docstring."""
-    from hostcallback.primitive import outside_call_p
-
+def lower_partitioned(ctx, args, outside_call_p, *, consumer_id, **params):
+    """The per-shard form (see the module docstring) of a tap of ``outside_call_p``."""
     def tap_whole(*xs):  # what the op means; XLA asks partition() how to run it per shard
         return tuple(outside_call_p.bind(*xs, consumer_id=consumer_id, **params))
 

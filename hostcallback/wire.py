@@ -20,7 +20,6 @@ VERSION = 1
 ALIGNMENT = 64
 FIXED_HEADER = struct.Struct("<IHHQIIQIIQ")  # magic version flags consumer device count seq hdr rsv size
 DESCRIPTOR = struct.Struct("<BBHIQ")  # dtype reserved ndim reserved byte_size, then int64 dims
-MAX_NDIM = 64
 FLAG_EXPECTS_RESPONSE = 1  # a `call` record: the device waits for the host's answer
 
 # Codes are XLA's PrimitiveType numbers, which the FFI hands the handler as the element type.

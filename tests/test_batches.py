@@ -11,7 +11,7 @@ import pytest
 from jax import lax
 
 import hostcallback as hcb
-from hostcallback.receiver import CallbackException
+from hostcallback import CallbackException
 
 
 class BatchTap:

@@ -15,15 +15,16 @@ import time
 import numpy as np
 import pytest
 
-from hostcallback.consumer import SocketSink, TapRecord, read_records, stream
+from hostcallback.consumer import SocketSink, TapRecord, protocol, read_records, stream
 from hostcallback.consumer.collector import (
     Collector,
     CollectorConfigError,
     CollectorLimits,
     CollectorThread,
-    scan_run_file,
     tls_context,
 )
+from hostcallback.consumer.protocol import Reason, Refusal
+from hostcallback.consumer.run_files import scan_run_file
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,14 +58,14 @@ def read_acks(client: socket.socket, count: int) -> int:
     client.settimeout(20)
     while total < count:
         data += client.recv(4096)
-        while len(data) >= stream.ACK.size:
-            (total,) = stream.ACK.unpack_from(data)
-            data = data[stream.ACK.size:]
+        while len(data) >= protocol.ACK.size:
+            (total,) = protocol.ACK.unpack_from(data)
+            data = data[protocol.ACK.size:]
     return total
 
 
-def refusal(client: socket.socket) -> str:
-    """The reason the collector sends before it hangs up on a client."""
+def refused(client: socket.socket) -> Refusal:
+    """The refusal the collector sends before it hangs up on a client."""
     client.settimeout(20)
     data = b""
     while True:
@@ -72,12 +73,17 @@ def refusal(client: socket.socket) -> str:
         if not chunk:
             break
         data += chunk
-    while len(data) >= stream.ACK.size and stream.ACK.unpack_from(data)[0] != stream.REFUSED:
-        data = data[stream.ACK.size:]
-    assert len(data) >= stream.ACK.size, "the collector hung up without saying why"
-    (length,) = stream.REASON.unpack_from(data, stream.ACK.size)
-    start = stream.ACK.size + stream.REASON.size
-    return data[start:start + length].decode()
+    while len(data) >= protocol.ACK.size and \
+            protocol.ACK.unpack_from(data)[0] != protocol.REFUSED:
+        data = data[protocol.ACK.size:]
+    assert len(data) >= protocol.ACK.size, "the collector hung up without saying why"
+    assert len(data) == Refusal.size_of(data), "a refusal is followed by nothing"
+    return Refusal.unpack(data)
+
+
+def refusal(client: socket.socket) -> str:
+    """The text of the collector's refusal, for people."""
+    return refused(client).text
 
 
 def values_in(path, name="r"):
@@ -102,7 +108,7 @@ def make_collector(tmp_path):
 
 
 def test_a_collector_with_a_token_refuses_a_sender_without_it(make_collector, monkeypatch, caplog):
-    monkeypatch.delenv(stream.TOKEN_VARIABLE, raising=False)
+    monkeypatch.delenv(protocol.TOKEN_VARIABLE, raising=False)
     server = make_collector(token="s3cret-token")
     sink = SocketSink("127.0.0.1", server.port, run="auth", flush_timeout=10)
     sink.emit(TapRecord(name="r", value=1))
@@ -115,7 +121,7 @@ def test_a_collector_with_a_token_refuses_a_sender_without_it(make_collector, mo
 
 
 def test_a_sender_with_the_collectors_token_is_accepted(make_collector, monkeypatch):
-    monkeypatch.setenv(stream.TOKEN_VARIABLE, "s3cret-token")
+    monkeypatch.setenv(protocol.TOKEN_VARIABLE, "s3cret-token")
     server = make_collector(token="s3cret-token")
     sink = SocketSink("127.0.0.1", server.port, run="auth")  # reads the token from the variable
     for i in range(5):
@@ -155,7 +161,11 @@ def test_a_record_over_the_size_limit_is_refused_and_the_earlier_ones_kept(make_
         client.sendall(header() + frames([1, 2]))
         assert read_acks(client, 2) == 2
         client.sendall(stream.frame(b"\x8c\xa4name" + bytes(2000)))
-        assert "a record of 2006 bytes is over the collector's limit of 1000" in refusal(client)
+        answer = refused(client)
+    # The code and the limit are what a sender acts on; the text is for people (and older
+    # senders), the same sentence as before the codes.
+    assert (answer.reason, answer.limit) == (Reason.RECORD_TOO_LARGE, 1000)
+    assert answer.text == "a record of 2006 bytes is over the collector's limit of 1000 bytes"
     assert values_in(server.collector.path_for("raw")) == [1, 2]
     assert server.collector.refused["too large"] == 1
 
@@ -177,7 +187,9 @@ def test_clients_over_the_limit_are_refused(make_collector):
             read_acks(client, 1)
         with socket.create_connection(("127.0.0.1", server.port)) as third:
             third.sendall(header(sender="sender-2"))  # counted once it has sent its header
-            assert "already serves 2 clients" in refusal(third)
+            answer = refused(third)
+            assert (answer.reason, answer.limit) == (Reason.TOO_MANY_CLIENTS, 2)
+            assert "already serves 2 clients" in answer.text
     finally:
         first.close()
         second.close()
@@ -306,11 +318,11 @@ def test_a_short_write_is_cut_off_and_never_acknowledged(tmp_path):
             for i in range(30):  # about 10 KB each: the limit falls inside one of them
                 client.sendall(frames([np.full(2500, i, np.float32)]))
                 data = b""
-                while len(data) < stream.ACK.size:
-                    data += client.recv(stream.ACK.size - len(data))
-                (total,) = stream.ACK.unpack(data)
-                if total == stream.REFUSED:
-                    (length,) = stream.REASON.unpack(client.recv(stream.REASON.size))
+                while len(data) < protocol.ACK.size:
+                    data += client.recv(protocol.ACK.size - len(data))
+                (total,) = protocol.ACK.unpack(data)
+                if total == protocol.REFUSED:
+                    (length,) = protocol.REASON.unpack(client.recv(protocol.REASON.size))
                     reason = client.recv(length).decode()
                     break
                 acknowledged = total
@@ -351,8 +363,8 @@ def test_the_collector_takes_the_records_before_one_over_its_limit(make_collecto
         while chunk := client.recv(4096):
             data += chunk
     # First the acknowledgement of both records, then the refusal of the third.
-    assert stream.ACK.unpack_from(data)[0] == 2
-    assert stream.ACK.unpack_from(data, stream.ACK.size)[0] == stream.REFUSED
+    assert protocol.ACK.unpack_from(data)[0] == 2
+    assert protocol.ACK.unpack_from(data, protocol.ACK.size)[0] == protocol.REFUSED
     assert b"over the collector's limit of 1000" in data
     assert values_in(server.collector.path_for("raw")) == [1, 2]
 
@@ -598,7 +610,7 @@ def test_collect_on_a_port_in_use_says_so_in_one_line(tmp_path):
 
 
 def test_collect_without_a_token_beyond_loopback_says_what_to_do(tmp_path, monkeypatch):
-    monkeypatch.delenv(stream.TOKEN_VARIABLE, raising=False)
+    monkeypatch.delenv(protocol.TOKEN_VARIABLE, raising=False)
     result = subprocess.run([sys.executable, "-m", "hostcallback.consumer", "collect", "--host",
                              "0.0.0.0", "--port", "0", "--out", str(tmp_path)], capture_output=True,
                             text=True, timeout=60, check=False)

@@ -19,15 +19,11 @@ from jax import lax, tree_util
 import hostcallback as hcb
 from hostcallback.consumer import FileSink, SinkTap, tap_to
 from hostcallback.consumer.frame_templates import make_template, step_of
-from hostcallback.consumer.stream import (
-    TapRecord,
-    frame_item,
-    read_records,
-    read_stream,
-    stream_files,
-)
+from hostcallback.consumer.record_layout import LEAVES
+from hostcallback.consumer.stream import TapRecord, frame_item
+from hostcallback.consumer.stream_files import read_records, read_stream, stream_files
 from hostcallback._native import outfeed
-from hostcallback.batches import RecordBatch
+from hostcallback.addons import RecordBatch
 from hostcallback.registry import Consumer
 
 _FIELDS = {"name": "train", "metadata": {"lr": 0.5, "tags": ["a"]}, "process": 1, "host": "h",
@@ -48,11 +44,11 @@ def _batch(values, sequences=None, transforms=()):
 
 def _with_leaves(batch, index: int, leaves: tuple) -> None:
     """Gives one record of the batch other arrays (a record and its arrays are tuples)."""
-    batch.records[index] = (*batch.records[index][:4], leaves)
+    batch.records[index] = (*batch.records[index][:LEAVES], leaves)
 
 
 def _with_leaf(batch, index: int, leaf_index: int, leaf) -> None:
-    leaves = batch.records[index][4]
+    leaves = batch.records[index][LEAVES]
     _with_leaves(batch, index, leaves[:leaf_index] + (leaf,) + leaves[leaf_index + 1:])
 
 
@@ -176,7 +172,7 @@ def test_a_record_that_does_not_fit_its_template_is_refused():
     _with_leaf(batch, 1, 0, [1.0, 2.0, 3.0])
     with pytest.raises(ValueError, match="not a numpy array"):
         template.frames(batch)
-    _with_leaves(batch, 1, batch.records[1][4] + (np.ones(3, np.float32),))
+    _with_leaves(batch, 1, batch.records[1][LEAVES] + (np.ones(3, np.float32),))
     with pytest.raises(ValueError, match="template's arrays"):
         template.frames(batch)
 

@@ -16,6 +16,7 @@ import pytest
 
 # The modules that would mean the plugin made an unrelated run pay for JAX.
 HEAVY_MODULES = ("jax", "jaxlib", "hostcallback._jax", "hostcallback.api", "hostcallback.receiver",
+                 "hostcallback.lifecycle",
                  "hostcallback._native")
 
 

@@ -11,10 +11,21 @@ import numpy as np
 import pytest
 
 import hostcallback as hcb
-from hostcallback.consumer import FileSink, SocketSink, stream, tap_to
+from hostcallback.consumer import (
+    FileSink,
+    FrameSink,
+    Sink,
+    SinkTap,
+    SocketSink,
+    TapRecord,
+    read_records,
+    stream,
+    tap_to,
+)
 from hostcallback.consumer.collector import CollectorThread
-from hostcallback.consumer.sinks import FrameSink, Sink, SinkTap, scalar_series
-from hostcallback.consumer.stream import RecordFramer, TapRecord, frame_item, read_records
+from hostcallback.consumer.record_framer import RecordFramer
+from hostcallback.consumer.stats_sink import scalar_series
+from hostcallback.consumer.stream import frame_item
 
 
 def test_to_map_writes_every_field_of_a_record():

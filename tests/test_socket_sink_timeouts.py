@@ -13,7 +13,7 @@ from conftest import run_python
 
 import hostcallback as hcb
 from hostcallback.consumer import SocketSink, TapRecord, tap_to
-from hostcallback.consumer.stream import ACK, REASON, REFUSED
+from hostcallback.consumer.protocol import ACK, REASON, REFUSED, Reason, Refusal
 
 
 def dead_port() -> int:
@@ -147,18 +147,21 @@ def test_emit_on_a_full_buffer_drops_after_flush_timeout_and_says_so(caplog):
     sink.close(timeout=0)
 
 
+def _refuse(connection, refusal: bytes) -> None:
+    connection.sendall(refusal)
+    connection.settimeout(5)
+    try:
+        while connection.recv(1 << 16):  # until the sink hangs up, as a collector does
+            pass
+    except OSError:
+        pass
+
+
 def _refuse_then_reset(connection, index):
     with connection:
         connection.recv(1 << 16)
         if index % 2:  # refuse, saying why
-            reason = b"wrong or missing token"
-            connection.sendall(ACK.pack(REFUSED) + REASON.pack(len(reason)) + reason)
-            connection.settimeout(5)
-            try:
-                while connection.recv(1 << 16):  # until the sink hangs up, as a collector does
-                    pass
-            except OSError:
-                pass
+            _refuse(connection, Refusal.of(Reason.TOKEN).pack())
         # else hang up without a word: the sink sees a reset
 
 
@@ -173,6 +176,63 @@ def test_a_refusal_alternating_with_resets_is_reported_once(caplog):
     fickle.close()
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert sum("wrong or missing token" in message for message in warnings) == 1
+
+
+def test_a_refusal_holds_its_text_where_older_senders_read_it_then_its_code():
+    refusal = Refusal.of(Reason.RECORD_TOO_LARGE, 1000, size=2006)
+    data = refusal.pack()
+    text = b"a record of 2006 bytes is over the collector's limit of 1000 bytes"
+    # What a sender from before the codes reads: the marker, the text's length, the text.
+    assert data[:ACK.size + REASON.size + len(text)] == \
+        ACK.pack(REFUSED) + REASON.pack(len(text)) + text
+    assert Refusal.size_of(data) == len(data)
+    assert Refusal.unpack(data) == refusal
+    assert (refusal.reason, refusal.limit) == (Reason.RECORD_TOO_LARGE, 1000)
+    assert Refusal.unpack(data[:-1]).reason is Reason.NO_CODE  # cut short: the text still reads
+    assert Refusal.unpack(data[:-1]).text == text.decode()
+
+
+def _refuse_with_a_future_code(connection, index):
+    with connection:
+        connection.recv(1 << 16)
+        _refuse(connection, Refusal(code=999, text="the collector is on fire").pack())
+
+
+@pytest.mark.timeout(30)
+def test_a_refusal_with_a_code_this_version_does_not_know_is_a_clear_error(caplog):
+    newer = FakeCollector(_refuse_with_a_future_code)
+    with caplog.at_level(logging.WARNING, logger="hostcallback.sinks"):
+        sink = SocketSink("127.0.0.1", newer.port, run="newer")
+        sink.emit(TapRecord(name="r", value=1))
+        with pytest.raises(TimeoutError, match=r"reason code 999, which this version of "
+                                               r"hostcallback does not know .* on fire"):
+            sink.flush(timeout=5)
+        sink.close(timeout=0)
+    newer.close()
+    assert sink.dropped == 0  # not taken for a refusal of one record: the record waits
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert sum("reason code 999" in message for message in warnings) == 1
+
+
+def _refuse_without_a_code(connection, index):
+    with connection:
+        connection.recv(1 << 16)
+        reason = b"wrong or missing token"  # what a collector from before the codes sends
+        _refuse(connection, ACK.pack(REFUSED) + REASON.pack(len(reason)) + reason)
+
+
+@pytest.mark.timeout(30)
+def test_a_refusal_from_a_collector_older_than_the_codes_is_reported_with_its_text(caplog):
+    older = FakeCollector(_refuse_without_a_code)
+    with caplog.at_level(logging.WARNING, logger="hostcallback.sinks"):
+        sink = SocketSink("127.0.0.1", older.port, run="older")
+        sink.emit(TapRecord(name="r", value=1))
+        with pytest.raises(TimeoutError, match="the collector refused this sink: wrong or "
+                                               "missing token"):
+            sink.flush(timeout=5)
+        sink.close(timeout=0)
+    older.close()
+    assert sink.dropped == 0
 
 
 class _AckWhenTold:

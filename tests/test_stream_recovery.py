@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from hostcallback.consumer import FileSink, TapRecord, read_records, stream
-from hostcallback.consumer.stream import SkippedRange, follow_records, read_stream, stream_files
+from hostcallback.consumer.stream import SkippedRange
+from hostcallback.consumer.stream_files import follow_records, read_stream, stream_files
 
 RECORDS = [TapRecord(name="x", step=i, value=np.arange(i + 1)) for i in range(10)]
 

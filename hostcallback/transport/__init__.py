@@ -9,11 +9,18 @@ that have no native handler.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 from hostcallback import config
+from hostcallback._jax import mlir
+from hostcallback.transport import callback, native
 
 NATIVE_PLATFORMS = frozenset({"cpu"})
+# Where our primitives have lowerings: the native handler's platforms, and the callback
+# transport's (every platform with JAX host callbacks).
+LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 
 
 def default_transport() -> str:
@@ -23,9 +30,15 @@ def default_transport() -> str:
 def emitter_for(transport: str, platform: str) -> ModuleType:
     """The transport module to use; native on a platform without a native handler falls back."""
     if transport == "native" and platform in NATIVE_PLATFORMS:
-        from hostcallback.transport import native
-
         return native
-    from hostcallback.transport import callback
-
     return callback
+
+
+def register_lowering(primitive, rule: Callable[..., Any], **options: Any) -> None:
+    """Registers ``rule(ctx, *args, platform=..., **params)`` for each of LOWERING_PLATFORMS."""
+    for platform in LOWERING_PLATFORMS:
+        mlir.register_lowering(
+            primitive,
+            lambda ctx, *args, _platform=platform, **params: rule(
+                ctx, *args, platform=_platform, **params),
+            platform=platform, **options)

@@ -134,6 +134,7 @@ def test_if_a_receiver_dies_anyway_calls_and_barriers_fail_naming_why(transport)
         import jax
         import numpy as np
         import hostcallback as hcb
+        from hostcallback.lifecycle import lifecycle
         from hostcallback.receiver import receivers
 
         class Broken(BaseException):
@@ -142,7 +143,7 @@ def test_if_a_receiver_dies_anyway_calls_and_barriers_fail_naming_why(transport)
         def deliver(*args):  # a fault inside the receiver itself, outside any consumer
             raise Broken("injected fault")
 
-        receivers.ensure_started()
+        lifecycle.ensure_started()
         receivers._deliver = deliver
         jax.jit(lambda x: hcb.id_tap(lambda a, t: None, x))(1)
         for attempt in ("call", "barrier", "barrier again"):

@@ -1,4 +1,5 @@
-"""The demo: a small jitted training loop whose loss and gradient norm reach the host every step.
+"""The demo (``python -m hostcallback demo``): a small jitted training loop whose loss and
+gradient norm reach the host every step.
 
 Nothing in the step waits for the host: the tap only copies three scalars into the outfeed queue,
 and a receiver thread prints them and appends them to a record stream while the next steps run.
@@ -15,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import hostcallback as hcb
-from hostcallback.consumer import FileSink, Sink, tap_to
-from hostcallback.consumer.__main__ import plot
+
+from . import FileSink, Sink, tap_to
+from .__main__ import plot
 
 
 def make_data(key, samples: int = 512, features: int = 16):

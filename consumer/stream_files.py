@@ -1,0 +1,140 @@
+"""A record stream's files: read one whole, list and read a rotated set, or follow a growing one.
+
+``FileSink`` rotates ``path`` to ``path.1``, ``path.2``, ... past its size limit; the readers here
+take a stream and its rotated files oldest first, and ``follow_records`` (what ``tail --follow``
+uses) keeps reading a file as it grows and follows it through rotations. Damage is skipped and
+reported as the StreamReader in ``stream`` finds it. This module never writes a stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
+
+from .stream import SkippedRange, StreamReader, TapRecord
+
+logger = logging.getLogger("hostcallback.stream")
+
+
+def _warn_skipped(name: str) -> Callable[[SkippedRange], None]:
+    def report(skipped: SkippedRange) -> None:
+        logger.warning("%s: %s; every intact record before and after it is kept", name, skipped)
+    return report
+
+
+def read_records(path_or_file, skipped: list[SkippedRange] | None = None) -> Iterator[TapRecord]:
+    """Every intact record of a stream file, in order.
+
+    Damaged regions and a torn last record are skipped; each skipped byte range is appended to
+    ``skipped`` if given, else logged as a warning on ``hostcallback.stream``.
+    """
+    opened = isinstance(path_or_file, (str, os.PathLike))
+    file = open(path_or_file, "rb") if opened else path_or_file  # noqa: SIM115
+    name = os.fspath(path_or_file) if file is not path_or_file else getattr(file, "name", "stream")
+    reader = StreamReader(on_skip=skipped.append if skipped is not None else _warn_skipped(name),
+                          following=False)
+    try:
+        while True:
+            chunk = file.read(1 << 20)
+            if not chunk:
+                break
+            yield from reader.feed(chunk)
+        yield from reader.finish()
+    finally:
+        if file is not path_or_file:
+            file.close()
+
+
+def stream_files(path: str | os.PathLike) -> list[str]:
+    """A stream's files, oldest first: ``path.N`` ... ``path.1`` (rotated by FileSink), ``path``."""
+    path = os.fspath(path)
+    directory, base = os.path.split(path)
+    pattern = re.compile(re.escape(base) + r"\.(\d+)$")
+    rotated = []
+    for entry in os.listdir(directory or "."):
+        match = pattern.match(entry)
+        if match:
+            rotated.append((int(match.group(1)), os.path.join(directory, entry)))
+    files = [name for _, name in sorted(rotated, reverse=True)]
+    if os.path.exists(path) or not files:
+        files.append(path)
+    return files
+
+
+def read_stream(path: str | os.PathLike,
+                skipped: list[SkippedRange] | None = None) -> Iterator[TapRecord]:
+    """Every intact record of a stream and its rotated files, oldest first."""
+    for name in stream_files(path):
+        yield from read_records(name, skipped)
+
+
+def _listing(path: str) -> list[tuple[str, int]] | None:
+    try:
+        return [(name, os.stat(name).st_ino) for name in stream_files(path)]
+    except FileNotFoundError:  # a rotation is renaming files right now
+        return None
+
+
+def _open_next(path: str, inode: int) -> BinaryIO:
+    """The file written after the one with ``inode``, once ``path`` rotated (maybe many times)."""
+    while True:
+        listing = _listing(path)
+        if listing is None or listing != _listing(path):  # only a listing that holds still
+            time.sleep(0.01)
+            continue
+        inodes = [number for _, number in listing]
+        # If ours was rotated away, every file left is newer: the oldest comes next.
+        index = inodes.index(inode) + 1 if inode in inodes else 0
+        name, expected = listing[min(index, len(listing) - 1)]
+        try:
+            file = open(name, "rb")  # noqa: SIM115 (the caller owns it)
+        except FileNotFoundError:
+            continue
+        if os.fstat(file.fileno()).st_ino == expected:
+            return file
+        file.close()
+
+
+def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
+                   should_stop: Callable[[], bool] | None = None) -> Iterator[TapRecord]:
+    """The records of a growing stream file, as they are written; follows rotation.
+
+    When FileSink rotates ``path`` to ``path.1`` (once or many times between two looks), the rest
+    of the old file is read, then each newer file in turn. Damage is skipped and logged as in
+    read_records. Ends when ``should_stop()`` is true at the end of the data.
+    """
+    path = os.fspath(path)
+    file = open(path, "rb")  # noqa: SIM115 (replaced as the stream rotates)
+    reader = StreamReader(on_skip=_warn_skipped(path))
+    try:
+        while True:
+            chunk = file.read(1 << 20)
+            if chunk:
+                yield from reader.feed(chunk)
+                continue
+            try:
+                current = os.stat(path)
+            except FileNotFoundError:  # between a rotation's rename and the new file
+                current = None
+            opened = os.fstat(file.fileno())
+            if current is not None and current.st_ino != opened.st_ino:
+                chunk = file.read()  # a last write may have landed since
+                records = reader.feed(chunk) + reader.finish() if chunk else reader.finish()
+                yield from records
+                # Open the next file while the old one is still open: its inode cannot be
+                # reused by a newer file meanwhile (rotation deletes the oldest), which would make
+                # _open_next take the newer file for the old one.
+                following = _open_next(path, opened.st_ino)
+                file.close()
+                file = following
+                reader = StreamReader(on_skip=_warn_skipped(file.name))
+                continue
+            if should_stop is not None and should_stop():
+                return
+            time.sleep(poll_seconds)
+    finally:
+        file.close()

@@ -1,0 +1,31 @@
+"""What an add-on (a sink, a progress bar, an exporter) may use beyond the public tap API.
+
+``hostcallback.consumer`` is written on this module and the public API alone, so a third party
+can write a sink the way ours are written:
+
+- ``add_flush_hook(owner)``: ``owner.flush()`` runs after every ``barrier_wait()`` and at exit,
+  so a barrier also means "written"; an owner with ``flush_before(deadline)`` gets the caller's
+  deadline (``time.monotonic()`` based, or None) instead and must not wait past it.
+- ``RecordBatch``: a tap function whose class defines ``tap_batch(batch)`` gets each run of
+  consecutive records of its tap site from one device at once (see ``hostcallback.batches``).
+- ``current_record()`` and ``RecordContext``: inside a consumer, which record it is handling.
+- ``format_value``, ``format_metadata`` and ``array_summary``: how ``id_print`` shows values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hostcallback.batches import RecordBatch
+from hostcallback.printing import array_summary, format_metadata, format_value
+from hostcallback.lifecycle import lifecycle
+from hostcallback.record_context import RecordContext, current_record
+
+__all__ = ["RecordBatch", "RecordContext", "add_flush_hook", "array_summary", "current_record",
+           "format_metadata", "format_value"]
+
+
+def add_flush_hook(owner: Any) -> None:
+    """Flushes ``owner`` after every barrier and at exit, for as long as it lives (held weakly:
+    a sink that is dropped is no longer flushed)."""
+    lifecycle.add_flush_hook(owner)

@@ -1,0 +1,290 @@
+"""Start, barrier and stop: the host side's life, above both the receivers and the tap primitive.
+
+The receivers start the first time a tap is traced. ``barrier_wait`` sends marker computations
+(taps of the barrier's own consumer, built with ``binding``) and waits until every device's
+receiver has handled them. XLA's CPU client runs single-device computations one after another
+(client-wide) and multi-device computations one after another, but the two kinds independently
+of each other. So each barrier sends one single-device marker to every device and one marker
+computation over all local devices: each kind of computation dispatched before the barrier
+finished, and its taps were handled, before the marker of its kind. Then the flush hooks run
+(sinks that buffer: a barrier also means "written") and consumer failures are raised.
+
+At exit everything queued is delivered within ``HOSTCALLBACK_EXIT_TIMEOUT``; a Ctrl-C meanwhile
+leaves the rest.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import queue
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+import jax
+import numpy as np
+
+from hostcallback import _jax as jx
+from hostcallback import binding, config, transport, wire
+from hostcallback._native import outfeed
+from hostcallback.failures import CallbackException
+from hostcallback.receiver import ReceiverPool, receivers
+from hostcallback.registry import BARRIER_MARKER_ID
+
+logger = logging.getLogger("hostcallback")
+
+_BARRIER_SHARE = 0.8  # of stop()'s (and so of exit's) one deadline
+_EXIT_NOTICE_SECONDS = 3.0  # exit says what it waits for once it has waited this long
+# The portable barrier's fence computations tap marker + 2 (and + 3): values of its own, which
+# fit in uint32 (a marker travels as uint32 when x64 is off) and no barrier waits for.
+_FENCE_OFFSET = 2
+
+
+def _ended_by_ctrl_c() -> bool:
+    """The program is ending on an uncaught KeyboardInterrupt (Python sets sys.last_type when it
+    prints an uncaught exception, before the exit handlers run)."""
+    if hasattr(sys, "ps1"):  # interactive: last_type may be any earlier Ctrl-C of the session
+        return False
+    last = getattr(sys, "last_type", None)
+    return isinstance(last, type) and issubclass(last, KeyboardInterrupt)
+
+
+class _Dispatcher:
+    """One thread, started with the receivers, that dispatches the markers of barriers with a
+    deadline: dispatching waits while a device is busy (a computation blocked on a full queue or
+    a pending call), and the barrier's deadline must hold meanwhile. It exists before exit
+    because Python 3.12 refuses to start a thread once interpreter exit has begun."""
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="hostcallback-barrier-dispatcher")
+        self._thread.start()
+
+    def submit(self, work) -> threading.Event:
+        """Runs ``work()`` on the thread; the event is set once it has returned or raised."""
+        done = threading.Event()
+        self._requests.put((work, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            work, done = self._requests.get()
+            try:
+                work()
+            except BaseException:  # noqa: BLE001 - work reports its own errors
+                pass
+            finally:
+                done.set()
+                del work, done
+
+
+class Lifecycle:
+    """Starts the receivers, runs barriers and flush hooks, and stops them (at exit too)."""
+
+    def __init__(self, pool: ReceiverPool) -> None:
+        self._pool = pool
+        self._lock = threading.Lock()
+        self._next_marker = itertools.count(1)
+        self._dispatcher = _Dispatcher()
+        self._flush_hooks: weakref.WeakSet = weakref.WeakSet()
+        self._marker_computations: dict[str, tuple] = {}  # per transport, built on first use
+
+    def ensure_started(self) -> None:
+        """Starts one receiver per local device, once; refuses after stop_outfeed_receiver()."""
+        if self._pool.start():
+            self._dispatcher.start()
+            atexit.register(self._at_exit)
+
+    # ---- barrier ----
+
+    def barrier_wait(self, logging_name: str | None = None, timeout: float | None = None,
+                     raise_errors: bool = True, notice_after: float | None = None) -> None:
+        if self._pool.is_receiver_thread():
+            raise RuntimeError(
+                "barrier_wait() was called from inside a tap consumer; it would wait for itself. "
+                "Call it from the code that runs the computation instead.")
+        if jx.is_tracing():
+            raise RuntimeError(
+                "barrier_wait() was called while tracing (inside jit, vmap, grad, ...); it waits "
+                "on the host for taps and cannot be part of a computation. Call it after the "
+                "computation, outside any transformation.")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._pool.started:
+            self._pool.raise_if_dead()
+            self._wait_for_markers(logging_name, timeout, notice_after)
+        self.run_flush_hooks(deadline)
+        self._pool.failures.log.flush(force=False)
+        if raise_errors:
+            self._pool.failures.raise_pending()
+
+    def add_flush_hook(self, owner: Any) -> None:
+        """Calls ``owner.flush()`` after every barrier and at exit, for as long as owner lives
+        (sinks that buffer use it so that a barrier also means 'on disk')."""
+        self._flush_hooks.add(owner)
+
+    def run_flush_hooks(self, deadline: float | None = None) -> None:
+        """Flushes every hook; one that can bound its wait (``flush_before``, e.g. SocketSink)
+        gets the caller's deadline (monotonic), so a barrier's timeout and exit bound it too."""
+        for owner in list(self._flush_hooks):
+            try:
+                flush_before = getattr(owner, "flush_before", None)
+                if flush_before is not None:
+                    flush_before(deadline)
+                    continue
+                owner.flush()
+            except Exception:
+                logger.exception("hostcallback: flushing %r failed", owner)
+
+    def _wait_for_markers(self, logging_name: str | None, timeout: float | None,
+                          notice_after: float | None = None) -> None:
+        with self._lock:
+            marker = 4 * next(self._next_marker)  # marker, marker + 1; fences marker + 2, + 3
+        grouped = self._pool.platform_groups()
+        expected = {key: {marker, marker + 1} if len(grouped[key[0]]) > 1 else {marker}
+                    for key in self._pool.devices}
+        if logging_name:
+            logger.debug("hostcallback: barrier %s (marker %d) starts", logging_name, marker)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        send_errors: list[BaseException] = []
+        sent = None
+        if timeout is None:
+            self._send_markers(marker)
+        else:
+            # Dispatching a marker waits while its device is busy: the dispatcher thread sends
+            # them, so that the deadline holds.
+            def send() -> None:
+                try:
+                    self._send_markers(marker)
+                except Exception as error:  # noqa: BLE001 - raised by the waiting barrier
+                    send_errors.append(error)
+                    self._pool.wake_waiters()
+
+            sent = self._dispatcher.submit(send)
+        what = f"barrier_wait{f' ({logging_name})' if logging_name else ''}"
+        self._pool.wait_for_markers(expected, range(marker, marker + 4), deadline,
+                                    send_errors=send_errors, what=what, timeout=timeout,
+                                    notice_after=notice_after)
+        if sent is not None:
+            # Its markers arrived, so its dispatches are done: let it return before we do (a
+            # thread still inside jaxlib when the interpreter exits aborts the process).
+            sent.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if logging_name:
+            logger.debug("hostcallback: barrier %s (marker %d) done", logging_name, marker)
+
+    def _send_markers(self, marker: int) -> None:
+        """A single-device marker (value ``marker``) to each device, and per platform with
+        several devices one computation over them all that sends ``marker + 1`` from each.
+        The markers run on devices and meshes of their own: the user's mesh (``jax.set_mesh``)
+        is set aside while they are sent."""
+        if jx.PORTABLE:
+            self._send_markers_from_host(marker)
+            return
+        with jx.outside_user_mesh():
+            self._send_markers_outside_user_mesh(marker)
+
+    def _send_markers_from_host(self, marker: int) -> None:
+        """The portable mode's barrier: once JAX's effects barrier has seen every computation
+        dispatched so far finish (their taps are then queued), a marker enqueued from the host
+        comes after all of them, on every device (``marker + 1`` too where a barrier expects
+        two)."""
+        try:
+            jax.effects_barrier()
+        except Exception:  # noqa: BLE001 - a computation failed (its caller was told); JAX
+            # raises that again at every later effects barrier without waiting for the rest,
+            # so marker computations on every device wait for what was dispatched before.
+            with jx.outside_user_mesh():
+                self._send_markers_outside_user_mesh(marker + _FENCE_OFFSET)
+        grouped = self._pool.platform_groups()
+        for (platform, ordinal) in self._pool.devices:
+            values = [marker, marker + 1] if len(grouped[platform]) > 1 else [marker]
+            for value in values:
+                outfeed.enqueue(ordinal, BARRIER_MARKER_ID,
+                                [wire.as_leaf(np.array(value, dtype=np.uint64))],
+                                platform=platform)
+
+    def _send_markers_outside_user_mesh(self, marker: int) -> None:
+        # The markers travel by the transport in use now, as the taps they wait for do.
+        transport_name = transport.default_transport()
+        if transport_name not in self._marker_computations:
+
+            def tap_marker(x):
+                return binding.bind([x], consumer_id=BARRIER_MARKER_ID, transport=transport_name)
+
+            all_devices_markers = []
+            for devices in self._pool.platform_groups().values():
+                if len(devices) > 1:
+                    mesh = jax.sharding.Mesh(np.array(devices), ("devices",))
+                    spec = jax.sharding.PartitionSpec("devices")
+                    all_devices_markers.append((jax.jit(jax.shard_map(
+                        lambda x: tap_marker(x.reshape(()))[0].reshape(1), mesh=mesh,
+                        in_specs=spec, out_specs=spec)), jax.sharding.NamedSharding(mesh, spec),
+                        len(devices)))
+            self._marker_computations[transport_name] = (jax.jit(tap_marker), all_devices_markers)
+        single_device_marker, all_devices_markers = self._marker_computations[transport_name]
+        outs = [single_device_marker(jax.device_put(np.uint64(marker), device))
+                for device in self._pool.devices.values()]
+        for computation, sharding, count in all_devices_markers:
+            markers = np.full(count, marker + 1, dtype=np.uint64)
+            outs.append(computation(jax.device_put(markers, sharding)))
+        # A marker arrives before its computation has finished (on the callback transport, before
+        # XLA's thread has left our callback and Python): the barrier ends only once they have,
+        # so that exit never lets finalization begin with one of them still inside Python.
+        jax.block_until_ready(outs)
+
+    # ---- stop and exit ----
+
+    def stop(self, timeout: float | None = None, notice_after: float | None = None) -> int:
+        """Delivers what is queued, then stops the receivers; returns how many records were
+        left. ``timeout`` bounds the whole stop (barrier and joins together), not each step;
+        with ``notice_after``, a stop that has waited that long says on stderr what it waits
+        for."""
+        if not self._pool.started:
+            self._pool.mark_stopped()
+            return 0
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            # The barrier gets most of the deadline; the rest is for the computations that
+            # closing the queues wakes (they fail with "stopped") and for the joins.
+            self.barrier_wait(timeout=None if timeout is None else timeout * _BARRIER_SHARE,
+                              raise_errors=False, notice_after=notice_after)
+        except (TimeoutError, CallbackException) as error:
+            logger.warning("hostcallback: %s", error)
+        return self._pool.close(deadline)
+
+    def _at_exit(self) -> None:
+        """Delivers what is queued, within HOSTCALLBACK_EXIT_TIMEOUT; a Ctrl-C meanwhile leaves
+        the rest (one line says how many), and a receiver finishes at most its batch. A consumer
+        that outlasts the deadline may still be running when the interpreter finalizes."""
+        self._pool.exiting = True
+        timeout = config.settings.exit_timeout_s
+        start = time.monotonic()
+        deadline = start + timeout
+        # After a Ctrl-C the user is waiting to leave: say at once what is left and how to skip it.
+        notice_after = 0.0 if _ended_by_ctrl_c() else _EXIT_NOTICE_SECONDS
+        try:
+            undelivered = self.stop(timeout=timeout, notice_after=notice_after)
+        except KeyboardInterrupt:
+            left = self._pool.abandon()
+            sys.stderr.write(f"hostcallback: exit without the {left} queued tap record(s) "
+                             "(Ctrl-C)\n")
+            return
+        self.run_flush_hooks(deadline)
+        self._pool.failures.log.flush()
+        if undelivered:
+            logger.warning("hostcallback: %d tap records were not delivered before exit (waited "
+                           "%.1f s of HOSTCALLBACK_EXIT_TIMEOUT=%g s; set it higher to wait "
+                           "longer)", undelivered, time.monotonic() - start, timeout)
+        if self._pool.failures.count:
+            logger.error("hostcallback: %d tap consumer(s) raised and no barrier_wait reported it",
+                         self._pool.failures.count)
+
+
+lifecycle = Lifecycle(receivers)

@@ -1,7 +1,8 @@
 """Consumer failures: kept for the next barrier_wait, and logged without flooding.
 
 A receiver hands every exception a consumer raises to ``Failures.record``; the barrier raises
-``CallbackException`` from the first, saying how many there were and which came last. Nothing
+``CallbackException`` from the first, naming the last (in legacy host_callback's words), how
+many there were, and the first. Nothing
 here may fail on a user's exception (``describe_error``), and a kept failure holds no arrays.
 """
 
@@ -119,9 +120,10 @@ class Failures:
             self._first, self._last, self.count = None, None, 0
         if first is None:
             return
-        message = "There were exceptions during callback processing. " \
-                  f"{count} tap consumer call(s) raised since the last barrier_wait; first: " \
-                  f"{first.describe()}"
+        # Legacy host_callback's words first (its tests match them), then the count and the first.
+        message = ("There were exceptions during callback processing. Last one was: "
+                   f"{last.describe()}. {count} tap consumer call(s) raised since the last "
+                   "barrier_wait")
         if count > 1:
-            message += f"; last: {last.describe()}"
+            message += f"; the first: {first.describe()}"
         raise CallbackException(message) from first.error

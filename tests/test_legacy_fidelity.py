@@ -83,6 +83,22 @@ def test_barrier_exception_begins_with_the_legacy_phrase(transport):
         hcb.barrier_wait()
 
 
+def test_barrier_exception_names_the_last_error_as_legacy_did_then_the_count_and_the_first(
+        transport):
+    def broken(x, transforms):
+        raise ValueError(f"failure {int(x)}")
+
+    for step in range(3):
+        jax.jit(lambda x: hcb.id_tap(broken, x))(float(step))
+    with pytest.raises(hcb.CallbackException) as raised:
+        hcb.barrier_wait()
+    message = str(raised.value)
+    assert message.startswith("There were exceptions during callback processing. Last one was: ")
+    assert "ValueError: failure 2. 3 tap consumer call(s) raised" in message
+    assert message.endswith("ValueError: failure 0")  # the first, which is also the __cause__
+    assert str(raised.value.__cause__) == "failure 0"
+
+
 def test_id_tap_kwargs_error_has_the_legacy_wording():
     with pytest.raises(TypeError, match=r"^Support for \*\*kwargs in ``id_tap`` has been removed"
                                         r".*functools\.partial"):

@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 from jax import tree_util
 
-from .record_layout import LEAVES, SEQUENCE
+from hostcallback._native import outfeed  # the compiled framing (frames.h)
+from hostcallback.addons import LEAVES, SEQUENCE
+
 from .stream import TapRecord, encode_value, frame_item, pack
-from hostcallback._native import outfeed  # the compiled framing; to be given a declared interface
 from hostcallback.addons import RecordBatch
 
 _STEP_KINDS = ("i", "u", "b")  # integer and bool steps; a float step is int()-ed in Python

@@ -23,11 +23,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import hostcallback
+from hostcallback.addons import LEAVES, EqualByKey, RecordBatch, current_record
+
 from .frame_templates import FrameTemplate, make_template, step_of
 from .record_framer import RecordFramer
-from .record_layout import LEAVES
 from .stream import TapRecord, frame_item
-from hostcallback.addons import RecordBatch, current_record
 
 
 class Sink:
@@ -84,7 +84,7 @@ def process_index() -> int:
     return _process
 
 
-class SinkTap:
+class SinkTap(EqualByKey):
     """The tap function behind ``tap_to``: one record per tap, to every sink. FrameSinks get it
     as a frame packed by a RecordFramer (byte for byte the frame of the TapRecord), the others
     as a TapRecord; each form is built once per tap, and only if a sink takes it.
@@ -107,12 +107,6 @@ class SinkTap:
 
     def _key(self):
         return (tuple(map(id, self.sinks)), self.name, repr(sorted(self.metadata.items())))
-
-    def __eq__(self, other):
-        return isinstance(other, SinkTap) and self._key() == other._key()
-
-    def __hash__(self):
-        return hash(self._key())
 
     def __call__(self, arg, transforms, device=None) -> None:
         context = current_record()

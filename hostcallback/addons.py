@@ -9,7 +9,11 @@ can write a sink the way ours are written:
 - ``RecordBatch``: a tap function whose class defines ``tap_batch(batch)`` gets each run of
   consecutive records of its tap site from one device at once (see ``hostcallback.batches``).
 - ``current_record()`` and ``RecordContext``: inside a consumer, which record it is handling.
+- ``CONSUMER_ID``, ``DEVICE_ID``, ``SEQUENCE``, ``FLAGS``, ``LEAVES``: where a record of
+  ``RecordBatch.records`` keeps each field.
 - ``format_value``, ``format_metadata`` and ``array_summary``: how ``id_print`` shows values.
+- ``EqualByKey``: a base for tap functions that are objects; equal ones (by ``_key()``) make
+  one consumer, so retracing a step reuses its tap site.
 """
 
 from __future__ import annotations
@@ -17,11 +21,14 @@ from __future__ import annotations
 from typing import Any
 
 from hostcallback.batches import RecordBatch
-from hostcallback.printing import array_summary, format_metadata, format_value
 from hostcallback.lifecycle import lifecycle
+from hostcallback.printing import array_summary, format_metadata, format_value
 from hostcallback.record_context import RecordContext, current_record
+from hostcallback.record_layout import CONSUMER_ID, DEVICE_ID, FLAGS, LEAVES, SEQUENCE
+from hostcallback.registry import EqualByKey
 
-__all__ = ["RecordBatch", "RecordContext", "add_flush_hook", "array_summary", "current_record",
+__all__ = ["CONSUMER_ID", "DEVICE_ID", "FLAGS", "LEAVES", "SEQUENCE", "EqualByKey", "RecordBatch",
+           "RecordContext", "add_flush_hook", "array_summary", "current_record",
            "format_metadata", "format_value"]
 
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from hostcallback.record_context import for_this_thread
+from hostcallback.record_layout import CONSUMER_ID, LEAVES, SEQUENCE
 from hostcallback.registry import Consumer, Transform
 
 
@@ -35,7 +36,7 @@ class RecordBatch:
 
     @property
     def consumer_id(self) -> int:
-        return self.records[self.start][0]
+        return self.records[self.start][CONSUMER_ID]
 
     @property
     def transforms(self) -> tuple[Transform, ...]:
@@ -44,7 +45,7 @@ class RecordBatch:
 
     def sequences(self) -> list[int]:
         """Each record's sequence number on its device, in order."""
-        return [record[2] for record in self.records[self.start:self.stop]]
+        return [record[SEQUENCE] for record in self.records[self.start:self.stop]]
 
     def values(self) -> Iterator[Any]:
         """Each record's tapped value, as the tap function would get it as ``arg``; while a
@@ -55,7 +56,7 @@ class RecordBatch:
         try:
             for record in self.records[self.start:self.stop]:
                 current.record = record
-                yield self.consumer.arg_of(record[4])
+                yield self.consumer.arg_of(record[LEAVES])
         finally:
             current.record = before
 
@@ -63,7 +64,8 @@ class RecordBatch:
 def run_end(records: list, start: int) -> int:
     """Where the run of records of records[start]'s consumer that decoded (arrays, not the
     reason they could not be decoded) ends."""
-    consumer_id, end, count = records[start][0], start + 1, len(records)
-    while end < count and records[end][0] == consumer_id and records[end][4].__class__ is tuple:
+    consumer_id, end, count = records[start][CONSUMER_ID], start + 1, len(records)
+    while (end < count and records[end][CONSUMER_ID] == consumer_id
+           and records[end][LEAVES].__class__ is tuple):
         end += 1
     return end

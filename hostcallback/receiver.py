@@ -29,6 +29,7 @@ from hostcallback._native import outfeed
 from hostcallback.errors import describe_error
 from hostcallback.failures import CallbackException, Failures, without_locals
 from hostcallback.record_context import for_this_thread
+from hostcallback.record_layout import CONSUMER_ID, FLAGS, LEAVES, SEQUENCE
 from hostcallback.registry import ConsumerRegistry, registry
 
 logger = logging.getLogger("hostcallback")
@@ -258,10 +259,11 @@ class ReceiverPool:
             record = batch[index]  # (consumer_id, device, sequence, flags, arrays or why not)
             index += 1
             try:
-                consumer = consumers.get(record[0]) or self._consumers.get(record[0])
-                if record[4].__class__ is str:
+                consumer = (consumers.get(record[CONSUMER_ID])
+                            or self._consumers.get(record[CONSUMER_ID]))
+                if record[LEAVES].__class__ is str:
                     raise wire.UndecodableRecordError(
-                        f"a tap record could not be decoded: {record[4]}")
+                        f"a tap record could not be decoded: {record[LEAVES]}")
                 if consumer.tap_batch is not None:  # its whole run of records in one call
                     start, index = index - 1, batches.run_end(batch, index - 1)
                     current.record = record
@@ -269,20 +271,21 @@ class ReceiverPool:
                     current.record = None
                 elif consumer.is_call:
                     current.record = record
-                    result = consumer.call(record[4], device)
+                    result = consumer.call(record[LEAVES], device)
                     current.record = None
-                    if record[3] & wire.FLAG_EXPECTS_RESPONSE:
-                        outfeed.respond(key[1], record[2], results.result_leaves(consumer, result),
+                    if record[FLAGS] & wire.FLAG_EXPECTS_RESPONSE:
+                        outfeed.respond(key[1], record[SEQUENCE],
+                                        results.result_leaves(consumer, result),
                                         platform=key[0])
                 else:  # a tap: this record and the rest of its run in one tight loop
                     deliver, end = consumer.deliver, batches.run_end(batch, index - 1)
                     current.record = record
-                    deliver(record[4], device)
+                    deliver(record[LEAVES], device)
                     while index < end:
                         record = batch[index]
                         index += 1
                         current.record = record
-                        deliver(record[4], device)
+                        deliver(record[LEAVES], device)
                     current.record = None
             except BaseException as error:  # noqa: BLE001 - nothing a consumer raises stops us
                 current.record = None  # the loop goes on after the record that failed

@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 from typing import Any, NamedTuple
 
+from hostcallback.record_layout import CONSUMER_ID, SEQUENCE
+
 
 class RecordContext(NamedTuple):
     """The record a consumer is being called for: where it came from and its place in line.
@@ -50,4 +52,4 @@ def current_record() -> RecordContext | None:
     if context is None or context.record is None:
         return None
     record = context.record
-    return RecordContext(context.device, record[2], record[0])
+    return RecordContext(context.device, record[SEQUENCE], record[CONSUMER_ID])

@@ -19,7 +19,7 @@ from jax import lax, tree_util
 import hostcallback as hcb
 from hostcallback.consumer import FileSink, SinkTap, tap_to
 from hostcallback.consumer.frame_templates import make_template, step_of
-from hostcallback.consumer.record_layout import LEAVES
+from hostcallback.addons import LEAVES
 from hostcallback.consumer.stream import TapRecord, frame_item
 from hostcallback.consumer.stream_files import read_records, read_stream, stream_files
 from hostcallback._native import outfeed

@@ -16,7 +16,8 @@ LAYERS = [
     ("basics", ["hostcallback._native", "hostcallback._jax", "hostcallback.config",
                 "hostcallback.versions", "hostcallback.errors", "hostcallback.wire",
                 "hostcallback.flavors", "hostcallback.registry", "hostcallback.record_context",
-                "hostcallback.printing", "hostcallback.failures"]),
+                "hostcallback.printing", "hostcallback.failures",
+                "hostcallback.record_layout"]),
     ("records and lowering rules", [
         "hostcallback.transport", "hostcallback.program_order", "hostcallback.keep_taps",
         "hostcallback.reentry", "hostcallback.batches", "hostcallback.results"]),

@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 from jax import tree_util
 
-from hostcallback._native import outfeed  # the compiled framing (frames.h)
-from hostcallback.addons import LEAVES, SEQUENCE
+from hostcallback.addons import LEAVES, SEQUENCE, frame_records
 
 from .stream import TapRecord, encode_value, frame_item, pack
 from hostcallback.addons import RecordBatch
@@ -54,7 +53,7 @@ class FrameTemplate:
         """The batch's frames, in order; ``now`` >= 0 sets every record's time (for checks).
         A ValueError for a record whose arrays have other dtypes or shapes than the template's
         (its bytes would not match the packed headers)."""
-        return outfeed.frame_records(batch.records, batch.start, batch.stop, self.pieces,
+        return frame_records(batch.records, batch.start, batch.stop, self.pieces,
                                      self.leaf_dtypes, self.leaf_shapes, self.step_leaf,
                                      self.step_kind, self.step_size, now)
 

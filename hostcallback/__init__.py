@@ -4,8 +4,9 @@ The public API, and nothing else. The "Architecture" document says how a tap tra
 
 Importing this package must not import jax: pytest loads ``hostcallback.testing`` in every run
 of an environment that has hostcallback installed, and that runs this file. The names that need
-jax (the API and the receiver's) are imported on first use, by ``__getattr__`` below, and a JAX
-older than the oldest supported is refused then (hostcallback._jax), not at plugin load.
+jax or the compiled core (the API, the receiver's, a record's context) are imported on first
+use, by ``__getattr__`` below, and a JAX older than the oldest supported is refused then
+(hostcallback._jax), not at plugin load.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from hostcallback import config
 from hostcallback.config import configure
 from hostcallback.flavors import CallbackFlavor
-from hostcallback.record_context import RecordContext, current_record
 
 if TYPE_CHECKING:
     from hostcallback.api import (
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
                                   taps_delivered,
     )
     from hostcallback.failures import CallbackException
+    from hostcallback.record_context import RecordContext, current_record
     from hostcallback.receiver import ReceiverStoppedError, reset_peak_bytes_queued
 
 __version__ = "0.1.0"
@@ -66,11 +67,12 @@ __all__ = [
     "taps_delivered",
 ]
 
-# The public names that need jax, by the module that defines them.
+# The public names that need jax or the compiled core, by the module that defines them.
 _IMPORTED_ON_FIRST_USE = {
     **dict.fromkeys(("barrier_wait", "call", "id_print", "id_tap", "pure_callback", "queue_stats",
                      "stop_outfeed_receiver", "taps_delivered"), "hostcallback.api"),
     "CallbackException": "hostcallback.failures",
+    **dict.fromkeys(("RecordContext", "current_record"), "hostcallback.record_context"),
     **dict.fromkeys(("ReceiverStoppedError", "reset_peak_bytes_queued"), "hostcallback.receiver"),
 }
 

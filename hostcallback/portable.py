@@ -26,7 +26,7 @@ from hostcallback.flavors import PURE_FLAVOR
 from hostcallback.transport.native import CALL_TARGET, TAP_TARGET  # registers the handlers
 
 REPLAYS = ("deliver", "mark", "skip")  # the same words as the primitive; only deliver is done
-_ALL_DEVICES = np.int64(-1)
+_ALL_DEVICES = np.int64(outfeed.ALL_DEVICES)
 
 
 def _refuse(what: str) -> None:

@@ -40,7 +40,7 @@ _DRAIN_RECORDS = 1024
 _DRAIN_BYTES = 1 << 20
 # How long drain() waits for a fuller batch: after a first record (_COALESCE_SECONDS), and while
 # records come less than _LINGER_SECONDS apart, for the next ones (_LINGER_SECONDS). When each
-# wait is made, and why: the comment on DeviceQueue::Pop in _native/outfeed.cc.
+# wait is made, and why: the comment on DeviceQueue::Pop in _native/device_queue.h.
 _COALESCE_SECONDS = 0.0002
 _LINGER_SECONDS = 0.001
 _POLL_SECONDS = 0.25

@@ -8,8 +8,10 @@ by these positions. ``LEAVES`` holds the reason instead when the record could no
 
 from __future__ import annotations
 
-CONSUMER_ID = 0  # the tap site's consumer id
-DEVICE_ID = 1  # the id of the device that sent the record
-SEQUENCE = 2  # the record's sequence number on its device
-FLAGS = 3  # the receiver's flags for the record
-LEAVES = 4  # the tapped value's leaves, as numpy arrays (the pytree's flattened form)
+from hostcallback._native import outfeed
+
+CONSUMER_ID = outfeed.RECORD_CONSUMER_ID  # the tap site's consumer id
+DEVICE_ID = outfeed.RECORD_DEVICE_ID  # the id of the device that sent the record
+SEQUENCE = outfeed.RECORD_SEQUENCE  # the record's sequence number on its device
+FLAGS = outfeed.RECORD_FLAGS  # the record's flags (wire.FLAG_EXPECTS_RESPONSE)
+LEAVES = outfeed.RECORD_LEAVES  # the tapped value's leaves as numpy arrays, or why not

@@ -16,8 +16,10 @@ from typing import Any
 import jax
 from jax import tree_util
 
-# Id 0 is never handed out: a record with consumer 0 is a barrier marker.
-BARRIER_MARKER_ID = 0
+from hostcallback._native import outfeed
+
+# Never handed out: a record with this consumer id is a barrier marker.
+BARRIER_MARKER_ID = outfeed.BARRIER_MARKER_ID
 
 Transform = tuple  # ("batch", {"batch_dims": (0,)}) or ("jvp",) and so on
 

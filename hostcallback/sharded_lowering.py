@@ -22,11 +22,12 @@ from jax.experimental.custom_partitioning import SdyShardingRule, custom_partiti
 
 from hostcallback import _jax as jx
 from hostcallback._jax import ir, mlir
+from hostcallback._native import outfeed
 from hostcallback.flavors import CallbackFlavor
 from hostcallback.registry import registry
 from hostcallback.transport import emitter_for, register_lowering
 
-ALL_DEVICES = -1  # emit_device: each device that runs the tap enqueues
+ALL_DEVICES = outfeed.ALL_DEVICES  # emit_device: each device that runs the tap enqueues
 NO_LOCAL_DEVICE = -2  # emit_device: the chosen device belongs to another process
 
 

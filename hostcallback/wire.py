@@ -1,4 +1,4 @@
-"""The binary layout of one tap record, in one place (the C++ encoder in _native/outfeed.cc mirrors it).
+"""The binary layout of one tap record, read by Python (the constants are the C++ core's own).
 
 A record is a 64-byte aligned block: a fixed 48-byte header, one descriptor per array, zero padding
 to a multiple of 64, then each array's bytes, each starting 64-byte aligned. The document "Wire
@@ -15,12 +15,17 @@ import struct
 import ml_dtypes
 import numpy as np
 
-MAGIC = 0x31424348  # the bytes b"HCB1"
-VERSION = 1
-ALIGNMENT = 64
+from hostcallback._native import outfeed
+
+MAGIC = outfeed.WIRE_MAGIC  # the bytes b"HCB1"
+VERSION = outfeed.WIRE_VERSION
+ALIGNMENT = outfeed.WIRE_ALIGNMENT
 FIXED_HEADER = struct.Struct("<IHHQIIQIIQ")  # magic version flags consumer device count seq hdr rsv size
 DESCRIPTOR = struct.Struct("<BBHIQ")  # dtype reserved ndim reserved byte_size, then int64 dims
-FLAG_EXPECTS_RESPONSE = 1  # a `call` record: the device waits for the host's answer
+FLAG_EXPECTS_RESPONSE = outfeed.FLAG_EXPECTS_RESPONSE  # a `call`: the device waits for the answer
+# The structs above spell out the C++ core's layout field by field; their sizes must be its.
+assert FIXED_HEADER.size == outfeed.WIRE_FIXED_HEADER_BYTES
+assert DESCRIPTOR.size == outfeed.WIRE_DESCRIPTOR_BYTES
 
 # Codes are XLA's PrimitiveType numbers, which the FFI hands the handler as the element type.
 DTYPE_BY_CODE: dict[int, np.dtype] = {
@@ -56,7 +61,7 @@ class UnsupportedDtypeError(TypeError):
     """A dtype that has no byte layout on the wire (for example the packed 4-bit types)."""
 
 
-MAX_NDIM = 64  # numpy's limit on dimensions: a tapped array must become one on the host
+MAX_NDIM = outfeed.WIRE_MAX_NDIM  # numpy's limit: a tapped array must become one on the host
 
 
 class UndecodableRecordError(ValueError):

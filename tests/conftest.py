@@ -1,9 +1,8 @@
-"""Test set-up: four CPU devices for every test, both transports for behaviour tests."""
+"""Test set-up: four CPU devices for every test, both transports for behaviour tests.
+
+Fixtures, hooks and markers only; the helpers tests share are in helpers.py."""
 
 import os
-import subprocess
-import sys
-import textwrap
 
 # Must happen before jax is imported anywhere in the test process. JAX_PLATFORMS pins the CPU
 # backend, so a machine with a GPU runs the same tests (and the native transport) as CI.
@@ -12,10 +11,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=4").strip()
 
 import pytest
+from helpers import TRANSPORTS, Collector
 
 from hostcallback import _jax, config
-
-TRANSPORTS = ("native", "callback")
 
 
 def pytest_configure(config):
@@ -48,43 +46,8 @@ def transport(request):
         yield request.param
 
 
-class Collector:
-    """One tap function whose calls the plugin's ``tap_records`` fixture keeps, with the device."""
-
-    def __init__(self, tap_records, name="collected"):
-        self._records, self._name = tap_records, name
-        self._tap = tap_records.tap(name)
-        self.__name__ = name
-
-    def __call__(self, arg, transforms, device=None):
-        self._tap(arg, transforms, device)
-
-    @property
-    def calls(self):
-        return self._records.entries(self._name)
-
-    @property
-    def values(self):
-        return self._records[self._name]
-
-    def clear(self):
-        self._records.clear()
-
-
 @pytest.fixture
 def collector(tap_records):
     """The tap_records fixture (hostcallback.testing) waits for every tap at teardown."""
     return Collector(tap_records)
 
-
-def run_python(code: str, *, devices: int = 4, env: dict | None = None, timeout: float = 240,
-               cwd=None):
-    """Runs code in a fresh interpreter (for exit and stop behaviour, and the docs' samples)
-    in ``cwd`` (default: this one); returns the process."""
-    full_env = dict(os.environ)
-    full_env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    full_env["JAX_PLATFORMS"] = "cpu"
-    full_env.update(env or {})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], check=False,
-                          capture_output=True,
-                          text=True, timeout=timeout, env=full_env, cwd=cwd)

@@ -1,4 +1,6 @@
-"""The compiled core (``outfeed.cc``, built into this package as ``_hostcallback_outfeed``).
+"""The compiled core (the C++ sources here, one job a file: ``module.cc`` lists them), built into
+this package as ``_hostcallback_outfeed``; what Python sees of it is typed in
+``_hostcallback_outfeed.pyi``.
 
 Loads it and says clearly what to do when it is missing; the rest of the code imports
 ``from hostcallback._native import outfeed`` and never the extension's own name.

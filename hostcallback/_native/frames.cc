@@ -1,14 +1,17 @@
 // Record-stream frames for many drained records at once (the format: consumer/stream.py,
 // "Record stream format").
 //
-// The records of one tap site from one device differ only in their arrays' bytes, the step,
-// the sequence number and the time; every other byte of their frames is the same. Python
-// (consumer/frame_templates.py, FrameTemplate) packs those fixed bytes once, as pieces around the holes,
-// and checks the result against its general encoder before using it. Here each record's frame
-// is put together from the pieces: the arrays' bytes copied in, the three numbers packed as
-// msgpack-python packs a Python int and float, and the frame's CRC-32. Nothing here decides
-// what a record holds; a record that does not fit its template is refused with a ValueError,
-// never written.
+// The records of one tap site from one device differ only in their arrays' bytes, the step, the
+// sequence number and the time; every other byte of their frames is the same. Python
+// (consumer/frame_templates.py, FrameTemplate) packs those fixed bytes once, as pieces around the
+// holes, and checks the result against its general encoder before using it. Here each record's
+// frame is put together from the pieces: the arrays' bytes copied in, the three numbers packed as
+// msgpack-python packs a Python int and float, and the frame's CRC-32. Nothing here decides what a
+// record holds; a record that does not fit its template is refused with a ValueError, never
+// written.
+
+#include "numpy_api.h"  // first: before any other NumPy header
+#include "frames.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -18,19 +21,15 @@
 #include <utility>
 #include <vector>
 
-#define PY_ARRAY_UNIQUE_SYMBOL hostcallback_ARRAY_API  // imported once, in outfeed.cc
-#define NO_IMPORT_ARRAY
-#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
-#include <Python.h>
-#include <numpy/arrayobject.h>
-
+#include "constants.h"
+#include "gil.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
-#include "gil.h"
 
 namespace nb = nanobind;
 
+namespace hostcallback {
 namespace {
 
 // CRC-32 as zlib.crc32 computes it (reflected polynomial 0xEDB88320), eight bytes a step.
@@ -233,15 +232,16 @@ nb::list FrameRecords(nb::list records, size_t start, size_t stop,
     }
     nb::object held_record = nb::borrow(PyList_GET_ITEM(records.ptr(), r));
     PyObject* record = held_record.ptr();
-    if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != 5 ||
-        !PyTuple_Check(PyTuple_GET_ITEM(record, 4)) ||
-        static_cast<size_t>(PyTuple_GET_SIZE(PyTuple_GET_ITEM(record, 4))) != leaves) {
+    if (!PyTuple_Check(record) || PyTuple_GET_SIZE(record) != kRecordFields ||
+        !PyTuple_Check(PyTuple_GET_ITEM(record, kRecordLeaves)) ||
+        static_cast<size_t>(PyTuple_GET_SIZE(PyTuple_GET_ITEM(record, kRecordLeaves))) != leaves) {
       throw nb::value_error("a record does not have its template's arrays");
     }
-    const unsigned long long sequence = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(record, 2));
+    const unsigned long long sequence =
+        PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(record, kRecordSequence));
     if (PyErr_Occurred()) throw nb::python_error();
     // Each array held while we copy from it, the GIL released or not (records is mutable).
-    PyObject* arrays = PyTuple_GET_ITEM(record, 4);
+    PyObject* arrays = PyTuple_GET_ITEM(record, kRecordLeaves);
     for (size_t i = 0; i < leaves; ++i) {
       held[i] = nb::borrow(PyTuple_GET_ITEM(arrays, i));
       data[i] = LeafData(held[i].ptr(), specs[i]);
@@ -282,7 +282,7 @@ nb::list FrameRecords(nb::list records, size_t start, size_t stop,
       std::memcpy(begin + 8, &crc, 4);
     };
     if (fixed >= kReleaseGilBytes) {
-      hostcallback::GilReleased released;  // nothing below touches a Python object
+      GilReleased released;  // nothing below touches a Python object
       fill();
     } else {
       fill();
@@ -307,3 +307,5 @@ void DefineFrameFunctions(nb::module_& m) {
     return Crc32(reinterpret_cast<const uint8_t*>(data.c_str()), data.size());
   }, nb::arg("data"), "CRC-32 as zlib.crc32 computes it (for tests).");
 }
+
+}  // namespace hostcallback

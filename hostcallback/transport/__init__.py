@@ -15,9 +15,10 @@ from typing import Any
 
 from hostcallback import config
 from hostcallback._jax import mlir
+from hostcallback._native import outfeed
 from hostcallback.transport import callback, native
 
-NATIVE_PLATFORMS = frozenset({"cpu"})
+NATIVE_PLATFORMS = frozenset({outfeed.NATIVE_PLATFORM})
 # Where our primitives have lowerings: the native handler's platforms, and the callback
 # transport's (every platform with JAX host callbacks).
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")

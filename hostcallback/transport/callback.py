@@ -42,7 +42,7 @@ def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
 
     def enqueue_on_host(partition, *arrays):
         device = device_of(partition)
-        if emit_device in (-1, device.id):
+        if emit_device in (outfeed.ALL_DEVICES, device.id):
             outfeed.enqueue(device.id, consumer_id, [wire.as_leaf(a) for a in arrays],
                             platform=device.platform)
         return ()
@@ -58,19 +58,19 @@ def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
 def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, result_avals,
          timeout_s: float):
     """The device's Python callback sends the record and waits (GIL released) for the answer.
-    A call shared over the devices of a sharded computation (emit_device != -1): the other
+    A call shared over the devices of a sharded computation (emit_device != ALL_DEVICES): the other
     devices return zeros at once, and the last result is the failure flag, as in the native
     handler: the calling device returns zeros and the flag instead of failing on its own."""
     device_of = _device_of_partition(ctx.module_context.axis_context)
     shapes = [(a.shape, np.dtype(a.dtype)) for a in result_avals]
-    shared = emit_device != -1
+    shared = emit_device != outfeed.ALL_DEVICES
 
     def zeros():
         return tuple(np.zeros(shape, dtype) for shape, dtype in shapes)
 
     def call_on_host(partition, *arrays):
         device = device_of(partition)
-        if emit_device not in (-1, device.id):
+        if emit_device not in (outfeed.ALL_DEVICES, device.id):
             return zeros()
         try:
             answers = outfeed.call(device.id, consumer_id, [wire.as_leaf(a) for a in arrays],

@@ -19,7 +19,7 @@ CHECK_TARGET = "hostcallback_check"
 
 for _name, _capsule in outfeed.registrations().items():
     try:
-        jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")
+        jax.ffi.register_ffi_target(_name, _capsule, platform=outfeed.NATIVE_PLATFORM)
     except Exception as error:  # noqa: BLE001 - jaxlib's own error type differs by version
         raise ImportError(
             f"hostcallback's C++ core cannot be registered with this jaxlib ({jax.__version__}): "

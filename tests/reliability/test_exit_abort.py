@@ -10,7 +10,7 @@ see the "Reliability" document)."""
 import os
 
 import pytest
-from conftest import run_python
+from helpers import run_python
 
 RUNS = int(os.environ.get("HOSTCALLBACK_EXIT_RUNS", "3"))
 

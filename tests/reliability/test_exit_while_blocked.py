@@ -5,7 +5,7 @@ crashes (global C++ state outlives the interpreter's exit while device threads s
 import re
 
 import pytest
-from conftest import run_python
+from helpers import run_python
 
 BLOCKED_ON_A_FULL_QUEUE = """
     import threading, time

@@ -9,7 +9,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import run_python
+from helpers import run_python
 
 import hostcallback as hcb
 from hostcallback import wire

@@ -4,7 +4,7 @@ bounded by the documented bound while a slow consumer holds the devices back."""
 import os
 
 import pytest
-from conftest import run_python
+from helpers import run_python
 
 VOLUME = """
     import numpy as np

@@ -1,0 +1,125 @@
+"""Types of the compiled core (module.cc binds each name; hostcallback._native imports it as
+``outfeed``). The docstrings live in the extension: ``help(outfeed.drain)``."""
+
+import sys
+from collections.abc import Sequence
+from typing import Any, Final, TypeAlias, TypedDict
+
+import numpy as np
+import numpy.typing as npt
+
+if sys.version_info >= (3, 13):
+    from types import CapsuleType
+else:
+    from typing_extensions import CapsuleType
+
+# The bytes of one leaf or one result: a 1-D, C-contiguous uint8 array (read-only is fine).
+_Bytes: TypeAlias = npt.NDArray[np.uint8]
+# (dtype code, dims, bytes): one array as enqueue() and call() take it (wire.as_leaf).
+_Leaf: TypeAlias = tuple[int, Sequence[int], _Bytes]
+# (consumer_id, device, sequence, flags, arrays): one decoded record. arrays are read-only
+# zero-copy views of the record, or, for a record that could not be decoded, why (a str).
+_DrainedRecord: TypeAlias = tuple[int, int, int, int, tuple[npt.NDArray[Any], ...] | str]
+
+class _QueueStats(TypedDict):
+    records_enqueued: int
+    bytes_enqueued: int
+    records_delivered: int
+    barrier_markers_enqueued: int
+    barrier_markers_delivered: int
+    bytes_delivered: int
+    bytes_queued: int
+    peak_bytes_queued: int
+    waits: int
+    wait_seconds: float
+    producers_waiting: int
+    batches: int
+    receiver_wakeups: int
+    calls_waiting: int
+    answers_unclaimed: int
+
+class _PoolStats(TypedDict):
+    pooled_bytes: int
+    in_use_bytes: int
+    hits: int
+    misses: int
+    records_held: int
+
+# ---- constants (constants.h and timeouts.h) ----------------------------------------------------
+
+NATIVE_PLATFORM: Final = "cpu"
+ALL_DEVICES: Final = -1
+WIRE_VERSION: Final = 1
+WIRE_MAGIC: Final = 0x31424348
+WIRE_ALIGNMENT: Final = 64
+WIRE_FIXED_HEADER_BYTES: Final = 48
+WIRE_DESCRIPTOR_BYTES: Final = 16
+WIRE_MAX_NDIM: Final = 64
+FLAG_EXPECTS_RESPONSE: Final = 1
+BARRIER_MARKER_ID: Final = 0
+RECORD_CONSUMER_ID: Final = 0
+RECORD_DEVICE_ID: Final = 1
+RECORD_SEQUENCE: Final = 2
+RECORD_FLAGS: Final = 3
+RECORD_LEAVES: Final = 4
+CALL_TIMEOUT_PREFIX: Final[str]
+
+# ---- the FFI handlers, for jax.ffi.register_ffi_target -----------------------------------------
+
+def registrations() -> dict[str, CapsuleType]: ...
+
+# ---- the queues --------------------------------------------------------------------------------
+
+def drain(
+    device: int,
+    max_records: int,
+    max_bytes: int,
+    timeout_s: float,
+    platform: str = "cpu",
+    coalesce_s: float = 0.0,
+    linger_s: float = 0.0,
+) -> tuple[list[_DrainedRecord], list[int]]: ...
+def drain_raw(
+    device: int, max_records: int, max_bytes: int, timeout_s: float, platform: str = "cpu"
+) -> list[npt.NDArray[np.uint8]]: ...
+def enqueue(
+    device: int, consumer_id: int, leaves: Sequence[_Leaf], platform: str = "cpu"
+) -> None: ...
+def call(
+    device: int,
+    consumer_id: int,
+    leaves: Sequence[_Leaf],
+    timeout_s: float,
+    platform: str = "cpu",
+) -> list[npt.NDArray[np.uint8]]: ...
+def respond(
+    device: int, sequence: int, results: Sequence[_Bytes], platform: str = "cpu"
+) -> None: ...
+def respond_error(device: int, sequence: int, message: str, platform: str = "cpu") -> None: ...
+def stats(device: int, platform: str = "cpu") -> _QueueStats: ...
+def reset_peak_bytes_queued(device: int, platform: str = "cpu") -> None: ...
+def set_closed(closed: bool) -> None: ...
+def fail(device: int, reason: str, platform: str = "cpu") -> None: ...
+def set_max_queue_bytes(max_queue_bytes: int) -> None: ...
+def max_queue_bytes() -> int: ...
+
+# ---- the buffer pool ---------------------------------------------------------------------------
+
+def pooled_bytes() -> int: ...
+def pool_stats() -> _PoolStats: ...
+
+# ---- record-stream frames (frames.cc) ----------------------------------------------------------
+
+def frame_records(
+    records: list[_DrainedRecord],
+    start: int,
+    stop: int,
+    pieces: Sequence[bytes],
+    leaf_dtypes: Sequence[npt.DTypeLike],
+    leaf_shapes: Sequence[Sequence[int]],
+    step_leaf: int,
+    step_kind: str,
+    step_size: int,
+    now: float = -1.0,
+) -> list[bytes]: ...
+def crc32(data: bytes) -> int: ...

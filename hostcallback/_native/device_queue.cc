@@ -1,0 +1,312 @@
+// Keeps the device queues: admission under the byte budget, batching for the receiver, the
+// table of queues by (platform, device), and Enqueue. Runs on device threads and on receivers
+// with the GIL released; no Python.
+
+#include "device_queue.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <utility>
+
+#include "buffer_pool.h"
+#include "constants.h"
+#include "responses.h"
+#include "timeouts.h"
+
+namespace hostcallback {
+
+// ---- the ring ---------------------------------------------------------------------------------
+
+std::vector<Record> RecordRing::TakeSpare() {
+  std::vector<Record> spare;
+  if (count_ == 0 && slots_.size() > kKeptSlots) {
+    spare.swap(slots_);
+    head_ = 0;
+  }
+  return spare;
+}
+
+void RecordRing::Grow() {
+  std::vector<Record> bigger(std::max<size_t>(64, slots_.size() * 2));
+  for (size_t i = 0; i < count_; ++i) bigger[i] = slots_[(head_ + i) & (slots_.size() - 1)];
+  slots_.swap(bigger);
+  head_ = 0;
+}
+
+// ---- one queue --------------------------------------------------------------------------------
+
+int64_t DeviceQueue::Push(Record record, bool expects_response, bool urgent, double timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const uint64_t ticket = next_ticket_++;
+  auto admitted = [&] { return closed_ || (ticket <= admitted_ && Fits(record.size)); };
+  if (!admitted()) {
+    auto start = std::chrono::steady_clock::now();
+    stats_.producers_waiting += 1;
+    // A receiver that is gathering a batch must not keep a full queue waiting.
+    if (receivers_waiting_ > 0) not_empty_.notify_all();
+    bool in = true;
+    if (WaitsForever(timeout_s)) {
+      not_full_.wait(lock, admitted);
+    } else {
+      in = not_full_.wait_for(lock, std::chrono::duration<double>(timeout_s), admitted);
+    }
+    stats_.producers_waiting -= 1;
+    stats_.waits += 1;
+    stats_.wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now() - start)
+                          .count();
+    if (!in) {
+      GiveUp(ticket);
+      lock.unlock();
+      not_full_.notify_all();  // those behind this ticket may go in now
+      return kTimedOut;
+    }
+  }
+  if (closed_) return kClosed;
+  const uint64_t sequence = next_sequence_;
+  try {
+    if (expects_response) g_responses.Expect({this, sequence});
+    Put<uint64_t>(record.data + kSequenceOffset, sequence);
+    record.urgent = urgent;
+    records_.push_back(record);
+  } catch (...) {  // out of memory: nothing joined, and the line behind this ticket moves on
+    if (expects_response) g_responses.Forget({this, sequence});
+    GiveUp(ticket);
+    lock.unlock();
+    not_full_.notify_all();
+    throw;
+  }
+  next_sequence_ += 1;
+  Admit(ticket);
+  (IsBarrierMarker(record) ? stats_.markers_enqueued : stats_.records_enqueued) += 1;
+  stats_.bytes_enqueued += record.size;
+  stats_.bytes_queued += record.size;
+  stats_.peak_bytes_queued = std::max(stats_.peak_bytes_queued, stats_.bytes_queued);
+  if (urgent) urgent_queued_ += 1;
+  // Wake the receiver only when it sleeps and, while it gathers a batch, only when the batch
+  // is ready: under load a receiver wakes once per batch, not once per record.
+  const bool wake = receivers_waiting_ > coalescing_ || (receivers_waiting_ > 0 && BatchReady());
+  const bool others_wait = stats_.producers_waiting > 0;
+  if (wake) stats_.receiver_wakeups += 1;
+  lock.unlock();
+  if (wake) not_empty_.notify_all();  // one receiver per queue: all is one
+  if (others_wait) not_full_.notify_all();  // the next in line may fit now
+  return static_cast<int64_t>(sequence);
+}
+
+std::vector<Record> DeviceQueue::Pop(size_t max_records, size_t max_bytes, double timeout_s,
+                                     double coalesce_s, double linger_s) {
+  std::vector<Record> out;
+  std::unique_lock<std::mutex> lock(mu_);
+  batch_records_ = std::max<size_t>(max_records, 1);
+  batch_bytes_ = std::max<size_t>(max_bytes, 1);
+  bool soon = true;  // records were there, or came within linger_s
+  if (records_.empty() && !closed_) {
+    auto ready = [&] { return closed_ || !records_.empty(); };
+    auto after = [](auto start, double seconds) {
+      return start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                         std::chrono::duration<double>(seconds));
+    };
+    receivers_waiting_ += 1;
+    const auto start = std::chrono::steady_clock::now();
+    if (linger_s > 0 && streaming_) {
+      GatherFor(lock, WaitsForever(timeout_s) ? linger_s : std::min(linger_s, timeout_s));
+      soon = ready();
+    }
+    if (!ready()) {
+      if (WaitsForever(timeout_s)) {
+        not_empty_.wait(lock, ready);
+      } else {
+        not_empty_.wait_until(lock, after(start, timeout_s), ready);
+      }
+      soon = soon && std::chrono::steady_clock::now() < after(start, linger_s);
+      // (A batch ready at once, as a lone call or barrier marker is, opens no window and
+      // so says nothing of whether one pays.)
+      if (coalesce_s > 0 && !records_.empty() && coalescing_pays_ && !BatchReady()) {
+        const size_t found = records_.size();
+        GatherFor(lock, coalesce_s);
+        coalescing_pays_ = records_.size() > found;
+      }
+    }
+    receivers_waiting_ -= 1;
+  }
+  if (records_.size() > 1) coalescing_pays_ = true;  // a burst, or load: a window gathers
+  out.reserve(std::min(max_records, records_.size()));
+  size_t bytes = 0;
+  size_t markers = 0;
+  while (!records_.empty() && out.size() < max_records && (out.empty() || bytes < max_bytes)) {
+    out.push_back(records_.front());
+    bytes += records_.front().size;
+    if (records_.front().urgent) {
+      urgent_queued_ -= 1;
+      markers += IsBarrierMarker(records_.front()) ? 1 : 0;  // markers are urgent records
+    }
+    records_.pop_front();
+  }
+  stats_.records_delivered += out.size() - markers;
+  stats_.markers_delivered += markers;
+  stats_.bytes_delivered += bytes;
+  stats_.bytes_queued -= bytes;
+  stats_.batches += out.empty() ? 0 : 1;
+  streaming_ = !out.empty() && soon;
+  std::vector<Record> spare = records_.TakeSpare();  // freed after the unlock
+  lock.unlock();
+  if (!out.empty()) not_full_.notify_all();
+  return out;
+}
+
+void DeviceQueue::SetClosed(bool closed) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!failure_.empty()) return;  // a failed queue stays closed
+    if (closed_ && !closed) {
+      admitted_ = next_ticket_;
+      given_up_.clear();
+    }
+    closed_ = closed;
+  }
+  not_full_.notify_all();
+  not_empty_.notify_all();
+}
+
+void DeviceQueue::Fail(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    failure_ = reason;
+    closed_ = true;
+  }
+  not_full_.notify_all();
+  not_empty_.notify_all();
+}
+
+std::string DeviceQueue::ClosedReason() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failure_.empty() ? std::string(Responses::kStoppedMessage) : failure_;
+}
+
+QueueStats DeviceQueue::Stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+void DeviceQueue::ResetPeak() {
+  std::lock_guard<std::mutex> lock(mu_);
+  stats_.peak_bytes_queued = stats_.bytes_queued;
+}
+
+bool DeviceQueue::BatchReady() const {
+  return closed_ || urgent_queued_ > 0 || stats_.producers_waiting > 0 ||
+         records_.size() >= batch_records_ || stats_.bytes_queued >= batch_bytes_;
+}
+
+void DeviceQueue::GatherFor(std::unique_lock<std::mutex>& lock, double seconds) {
+  if (BatchReady()) return;
+  coalescing_ += 1;
+  not_empty_.wait_for(lock, std::chrono::duration<double>(seconds), [&] { return BatchReady(); });
+  coalescing_ -= 1;
+}
+
+void DeviceQueue::Admit(uint64_t ticket) {
+  admitted_ = std::max(admitted_, ticket + 1);
+  while (given_up_.erase(admitted_) > 0) admitted_ += 1;
+}
+
+void DeviceQueue::GiveUp(uint64_t ticket) {
+  if (ticket < admitted_) return;
+  if (ticket == admitted_) {
+    Admit(ticket);
+  } else {
+    given_up_.insert(ticket);
+  }
+}
+
+bool DeviceQueue::Fits(size_t size) const {
+  return stats_.bytes_queued == 0 ||
+         stats_.bytes_queued + size <= g_max_queue_bytes.load(std::memory_order_relaxed);
+}
+
+// ---- the queue table --------------------------------------------------------------------------
+
+namespace {
+
+// Keyed by (platform, the ordinal XLA hands the handler): the device's global id, 2048 and up
+// on the second process of a multi-process CPU run, and the same small numbers on every
+// platform. Queues are never freed: device threads may hold them.
+using QueueKey = std::pair<std::string, int>;
+struct QueueTable {
+  std::mutex mu;
+  std::map<QueueKey, DeviceQueue*> queues;
+  bool closed = false;
+};
+QueueTable& g_queues = *new QueueTable();
+
+// The native handlers' lookup without a lock: queues live forever, so each is kept in a slot
+// picked by its device id (a thread-local costs a call into the dynamic linker a tap). One
+// process's ids (0 and up on the first, 2048 and up on the second on XLA's CPU client) fall in
+// different slots; two that shared one would only take LookUpQueue's lock more often.
+constexpr unsigned kNativeQueueSlots = 1024;
+std::atomic<DeviceQueue*> g_native_queues[kNativeQueueSlots];
+
+}  // namespace
+
+DeviceQueue* LookUpQueue(const std::string& platform, int device) {
+  std::lock_guard<std::mutex> lock(g_queues.mu);
+  DeviceQueue*& q = g_queues.queues[{platform, device}];
+  if (q == nullptr) {
+    q = new DeviceQueue(device);
+    if (g_queues.closed) q->SetClosed(true);
+  }
+  return q;
+}
+
+DeviceQueue* NativeQueueFor(int device) {
+  std::atomic<DeviceQueue*>& slot =
+      g_native_queues[static_cast<unsigned>(device) % kNativeQueueSlots];
+  DeviceQueue* q = slot.load(std::memory_order_acquire);
+  if (q == nullptr || q->device != device) {
+    q = LookUpQueue(kNativePlatform, device);
+    slot.store(q, std::memory_order_release);
+  }
+  return q;
+}
+
+void SetAllClosed(bool closed) {
+  std::lock_guard<std::mutex> lock(g_queues.mu);
+  g_queues.closed = closed;
+  for (auto& [key, q] : g_queues.queues) q->SetClosed(closed);
+  g_responses.SetClosed(closed);  // calls still waiting for an answer fail instead of hanging
+}
+
+void SetQueueBudget(uint64_t max_queue_bytes) {
+  g_max_queue_bytes.store(max_queue_bytes);
+  std::lock_guard<std::mutex> lock(g_queues.mu);
+  for (auto& [key, q] : g_queues.queues) q->Poke();
+}
+
+// ---- joining a queue --------------------------------------------------------------------------
+
+int64_t Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
+                uint16_t flags, double timeout_s, xla::ffi::ThreadPool* pool) {
+  Record record = EncodeRecord(consumer_id, static_cast<uint32_t>(device), arrays, flags, pool);
+  const bool expects_response = (flags & kFlagExpectsResponse) != 0;
+  int64_t pushed = DeviceQueue::kClosed;
+  try {
+    pushed = queue->Push(record, expects_response,
+                         expects_response || consumer_id == kBarrierMarkerId, timeout_s);
+  } catch (...) {
+    ReleaseRecord(record);
+    throw;
+  }
+  if (pushed < 0) ReleaseRecord(record);
+  return pushed;
+}
+
+std::string WhyNotEnqueued(DeviceQueue* queue, int64_t pushed, double timeout_s) {
+  return pushed == DeviceQueue::kTimedOut
+             ? TimeoutMessage(timeout_s) + " (its device's queue stayed full)"
+             : queue->ClosedReason();
+}
+
+}  // namespace hostcallback

@@ -1,0 +1,186 @@
+// The device queues: one FIFO of records per (platform, device) under a byte budget, the table
+// that finds them, and the way a record joins one (Enqueue).
+#ifndef HOSTCALLBACK_NATIVE_DEVICE_QUEUE_H_
+#define HOSTCALLBACK_NATIVE_DEVICE_QUEUE_H_
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "record.h"
+
+namespace hostcallback {
+
+struct QueueStats {
+  uint64_t records_enqueued = 0, bytes_enqueued = 0;  // taps and calls; barrier markers apart
+  uint64_t records_delivered = 0, bytes_delivered = 0;
+  uint64_t markers_enqueued = 0, markers_delivered = 0;
+  uint64_t bytes_queued = 0, peak_bytes_queued = 0;
+  uint64_t waits = 0, wait_ns = 0;
+  uint64_t producers_waiting = 0;
+  uint64_t batches = 0;  // non-empty drains: records_delivered / batches is the mean batch
+  uint64_t receiver_wakeups = 0;  // times a producer woke the receiver (a syscall on its thread)
+};
+
+// The records of one queue, oldest first, in a circular buffer that grows by doubling: a
+// stream of taps allocates nothing per record (a std::deque took a block from malloc every 16
+// records, which the receiver's thread then freed). Once empty, a ring that a backlog grew
+// past kKeptSlots gives all its memory back (TakeSpare).
+class RecordRing {
+ public:
+  static constexpr size_t kKeptSlots = size_t{1} << 16;  // 2 MiB
+
+  bool empty() const { return count_ == 0; }
+  size_t size() const { return count_; }
+  const Record& front() const { return slots_[head_]; }
+
+  // Throws bad_alloc with the ring unchanged.
+  void push_back(const Record& record) {
+    if (count_ == slots_.size()) Grow();
+    slots_[(head_ + count_) & (slots_.size() - 1)] = record;
+    count_ += 1;
+  }
+
+  void pop_front() {
+    head_ = (head_ + 1) & (slots_.size() - 1);
+    count_ -= 1;
+  }
+
+  // All the memory of an empty ring grown past kKeptSlots (none otherwise), for the caller to
+  // free outside its lock.
+  std::vector<Record> TakeSpare();
+
+ private:
+  void Grow();
+
+  std::vector<Record> slots_;  // empty, or a power of two of them
+  size_t head_ = 0, count_ = 0;
+};
+
+// One device's outfeed: a FIFO of records under a byte budget. Producers (device threads)
+// wait while the budget is spent and are admitted in arrival order, so a record larger than
+// the whole budget, which waits for an empty queue and then goes in alone, is not overtaken by
+// steady small traffic. Nothing is ever refused for its size or dropped.
+class DeviceQueue {
+ public:
+  static constexpr int64_t kClosed = -1, kTimedOut = -2;
+
+  explicit DeviceQueue(int device_id) : device(device_id) {}
+
+  const int device;  // the id it is keyed by (with its platform)
+
+  // Returns the record's sequence number, kClosed when the queue was closed (receiver stopped)
+  // or kTimedOut when there was no room within timeout_s (a `call`'s timeout; taps wait
+  // forever). A `call` record registers for its answer before any receiver can see it.
+  // `urgent` (a call or a barrier marker) wakes a coalescing receiver at once. On kClosed,
+  // kTimedOut or an exception the record stays the caller's.
+  int64_t Push(Record record, bool expects_response, bool urgent, double timeout_s = 0);
+
+  // Waits up to timeout_s for a record, then takes records up to the given limits (at least
+  // one when any is queued). With coalesce_s > 0 it then waits up to that long for a fuller
+  // batch, unless a call or barrier marker is queued, a producer waits for room or the batch is
+  // full already: a lone record is late by at most coalesce_s. Such a wait is made only while
+  // it pays: after one that gathered nothing, later Pops skip it (a record of a slow stream
+  // would pay a second wake-up for it) until one finds more than one record queued, as in a
+  // burst or under load. With linger_s > 0, while records come less than linger_s apart (the
+  // last Pop found some, or had them within linger_s), a Pop first waits up to linger_s the same
+  // way, asking no producer to wake it: such a stream (one tap a short training step) costs the
+  // receiver one wake-up per linger_s and its producers none, and a record in it is late by at
+  // most linger_s. A slower stream is not lingered for, which would only add a wake-up, so the
+  // first record after a quiet spell wakes the receiver at once. A closed queue still hands out
+  // what it holds. Never loses a record: the output is reserved before any leaves the queue.
+  //
+  // Why wait at all: on the host a record costs mostly the receiver's wake-up, not its Python (a
+  // thread that sleeps and wakes costs about 40 us of CPU on a small VM, delivering a record
+  // about 1 us), and on a 2-core machine that CPU is taken from the computation. The receiver
+  // passes coalesce_s = 200 us and linger_s = 1 ms (receiver.py: _COALESCE_SECONDS,
+  // _LINGER_SECONDS). A gathering receiver is woken only for a ready batch (Enqueue), and
+  // queue_stats() counts the producers' wake-up calls as receiver_wakeups. The coalescing wait is
+  // what gathers a burst of taps that follows a quiet spell. Measurements:
+  // docs/performance-log.md (2026-11-24).
+  std::vector<Record> Pop(size_t max_records, size_t max_bytes, double timeout_s,
+                          double coalesce_s = 0, double linger_s = 0);
+
+  void SetClosed(bool closed);
+
+  // Closes this queue for good: producers, waiting or future, fail with the reason.
+  void Fail(const std::string& reason);
+
+  // Why this queue refuses records: its failure, or that the receivers were stopped.
+  std::string ClosedReason();
+
+  // Wakes producers waiting for room, so that a larger budget takes effect at once.
+  void Poke() { not_full_.notify_all(); }
+
+  QueueStats Stats();
+
+  void ResetPeak();
+
+ private:
+  // A batch worth waking the receiver for (called under mu_).
+  bool BatchReady() const;
+
+  // Waits up to seconds for a batch worth waking for (BatchReady), while producers that find
+  // this receiver gathering leave it asleep for anything less (called under mu_).
+  void GatherFor(std::unique_lock<std::mutex>& lock, double seconds);
+
+  // Tickets are admitted in order: the next one in line is admitted_ (called under mu_).
+  void Admit(uint64_t ticket);
+
+  // A ticket that leaves the line: admitted at once if it is next, skipped when its turn comes.
+  void GiveUp(uint64_t ticket);
+
+  bool Fits(size_t size) const;
+
+  std::mutex mu_;
+  std::condition_variable not_empty_, not_full_;
+  RecordRing records_;
+  uint64_t next_sequence_ = 0;
+  uint64_t next_ticket_ = 0, admitted_ = 0;
+  std::set<uint64_t> given_up_;  // tickets behind admitted_ whose producer stopped waiting
+  bool closed_ = false;
+  // Drains waiting (for a first record, or gathering a batch: coalescing_ of them).
+  size_t receivers_waiting_ = 0, coalescing_ = 0;
+  size_t urgent_queued_ = 0, batch_records_ = 1, batch_bytes_ = 1;
+  // The last Pop handed out records that were there or came within its linger_s: more are
+  // likely to come as soon.
+  bool streaming_ = false;
+  // The last coalescing wait gathered more records, or a Pop found several queued since.
+  bool coalescing_pays_ = true;
+  std::string failure_;
+  QueueStats stats_;
+};
+
+// ---- the queue table --------------------------------------------------------------------------
+
+// The queue of (platform, device), made on first use and never freed: device threads may hold
+// it. A queue made while the queues are closed starts closed.
+DeviceQueue* LookUpQueue(const std::string& platform, int device);
+
+// The native handlers' queue of a device of kNativePlatform, found without a lock.
+DeviceQueue* NativeQueueFor(int device);
+
+// Closed queues refuse new records and wake every waiter; calls still waiting for an answer fail.
+void SetAllClosed(bool closed);
+
+// A new byte budget for every queue, taking effect at once for producers waiting for room.
+void SetQueueBudget(uint64_t max_queue_bytes);
+
+// ---- joining a queue --------------------------------------------------------------------------
+
+// The record's sequence number, or DeviceQueue::kClosed or kTimedOut (WhyNotEnqueued says
+// why: no message is built for a tap that went in). timeout_s bounds the wait for room (a
+// `call`'s timeout; 0: forever). Throws bad_alloc when the record cannot be allocated; the
+// record never leaks.
+int64_t Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
+                uint16_t flags = 0, double timeout_s = 0, xla::ffi::ThreadPool* pool = nullptr);
+
+std::string WhyNotEnqueued(DeviceQueue* queue, int64_t pushed, double timeout_s);
+
+}  // namespace hostcallback
+
+#endif  // HOSTCALLBACK_NATIVE_DEVICE_QUEUE_H_

@@ -1,0 +1,260 @@
+// The XLA FFI handlers: on XLA's device thread, a tap enqueues one record, a call sends one and
+// copies the host's answer into its outputs, a check fails a shared call on every device at once.
+// Each handler is a short function (its Impl) plus one XLA_FFI_DEFINE_HANDLER_SYMBOL binding that
+// reads like its signature. No Python, no GIL.
+//
+// These are the CPU handlers (kNativePlatform): their operands are host memory. A GPU handler
+// goes next to them: its own file, ffi_handlers_gpu.cc (built only where CUDA is found), declared
+// in ffi_handlers.h. It takes the stream from the FFI context and copies each operand into the
+// record with the device's copy engine instead of memcpy (the array copy in record.cc is the one
+// seam that changes); transport/native.py registers it for its platform. The queues, the pool,
+// the records and the receivers stay as they are.
+
+#include "ffi_handlers.h"
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <new>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "constants.h"
+#include "device_queue.h"
+#include "record.h"
+#include "responses.h"
+#include "timeouts.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace hostcallback {
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// The arrays to send: every operand but the ordering token, into out (room for args.size()).
+ffi::Error CollectArrays(ffi::RemainingArgs& args, ArrayView* out, size_t* count) {
+  *count = 0;
+  for (size_t i = 0; i < args.size(); ++i) {
+    ffi::ErrorOr<ffi::AnyBuffer> arg = args.get<ffi::AnyBuffer>(i);
+    if (!arg.has_value()) return arg.error();
+    ffi::AnyBuffer buffer = arg.value();
+    if (buffer.element_type() == ffi::DataType::TOKEN) continue;
+    auto dims = buffer.dimensions();
+    out[(*count)++] = ArrayView{static_cast<uint8_t>(buffer.element_type()), dims.begin(),
+                                dims.size(), buffer.untyped_data(), buffer.size_bytes()};
+  }
+  return ffi::Error::Success();
+}
+
+// Every handler's body runs inside this: a C++ exception (bad_alloc for a record larger than
+// memory) becomes an FFI error that fails the computation with the reason, never a crash.
+template <typename Body>
+ffi::Error Guarded(Body body) noexcept {
+  try {
+    return body();
+  } catch (const std::bad_alloc&) {
+    return ffi::Error::Internal("hostcallback: out of host memory for a tap record");
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("hostcallback: ") + e.what());
+  } catch (...) {
+    return ffi::Error::Internal("hostcallback: unknown C++ exception in the tap handler");
+  }
+}
+
+constexpr size_t kArraysOnStack = 16;
+
+// emit_device >= 0: only that device enqueues (a whole-value tap lowered on every device).
+ffi::Error TapImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consumer_id,
+                   int64_t emit_device, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  (void)rets;  // only the ordering token, which carries no data
+  return Guarded([&]() -> ffi::Error {
+    if (emit_device != kAllDevices && emit_device != device_ordinal) return ffi::Error::Success();
+    if (device_ordinal < 0) {
+      return ffi::Error::Internal("hostcallback: negative device ordinal " +
+                                  std::to_string(device_ordinal));
+    }
+    // On the stack for all but the widest taps: a tap allocates nothing but its record.
+    ArrayView on_stack[kArraysOnStack];
+    std::vector<ArrayView> on_heap;
+    ArrayView* views = on_stack;
+    if (args.size() > kArraysOnStack) {
+      on_heap.resize(args.size());
+      views = on_heap.data();
+    }
+    size_t count = 0;
+    if (ffi::Error error = CollectArrays(args, views, &count); error.failure()) return error;
+    DeviceQueue* queue = NativeQueueFor(device_ordinal);
+    const int64_t pushed =
+        Enqueue(queue, device_ordinal, consumer_id, ArrayViews(views, count), 0, 0, &pool);
+    if (pushed < 0) return ffi::Error::Internal(WhyNotEnqueued(queue, pushed, 0));
+    return ffi::Error::Success();
+  });
+}
+
+// Why a shared call failed, by consumer id: written by the calling device, read by every device
+// of the computation in HostcallbackCheck once the failure flag has reached them all.
+struct CallFailures {
+  std::mutex mu;
+  std::map<uint64_t, std::string> by_consumer;
+};
+CallFailures& g_call_failures = *new CallFailures();
+
+// Zeros in every output but the token.
+ffi::Error ZeroOutputs(ffi::RemainingRets& rets) {
+  for (size_t i = 0; i < rets.size(); ++i) {
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
+    if (!ret.has_value()) return ret.error();
+    ffi::AnyBuffer out = *ret.value();
+    if (out.element_type() != ffi::DataType::TOKEN && out.size_bytes() > 0) {
+      std::memset(out.untyped_data(), 0, out.size_bytes());
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// A shared call that timed out is said on stderr at once: its devices fail together only after
+// the collective that follows, and where XLA's CPU client left a device out of a collective, XLA
+// ends the process after its own rendezvous limit (40 s) before the error reaches Python.
+void ReportSharedTimeout(const std::string& problem) {
+  std::fprintf(stderr, "%s (a call shared over the devices of a sharded computation; every "
+               "device fails with this error)\n", problem.c_str());
+  std::fflush(stderr);
+}
+
+// A `call`: send the arrays, wait for the host's results, copy them into the outputs.
+// emit_device != kAllDevices (a call shared over the devices of a sharded computation): only
+// that device calls and the others return zeros; the last output is a uint32 failure flag. The
+// calling device must not fail on its own, since the others wait for it in the collective that
+// shares its results: it returns zeros with the flag set and leaves the reason for
+// HostcallbackCheck, which fails every device together after the collective.
+ffi::Error CallImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_device,
+                    double timeout_s, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  return Guarded([&]() -> ffi::Error {
+    const bool shared = emit_device != kAllDevices;
+    if (shared && emit_device != device_ordinal) return ZeroOutputs(rets);
+    std::string problem;
+    Response response;
+    if (device_ordinal < 0) {
+      problem = "hostcallback: negative device ordinal " + std::to_string(device_ordinal);
+    } else if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) {
+      problem = "hostcallback: " + bad;
+    } else {
+      try {
+        std::vector<ArrayView> arrays(args.size());  // in the try: a shared call must not throw
+        size_t count = 0;
+        if (ffi::Error error = CollectArrays(args, arrays.data(), &count); error.failure()) {
+          problem = "hostcallback: " + error.message();
+        } else {
+          problem = CallHost(NativeQueueFor(device_ordinal), device_ordinal, consumer_id,
+                             ArrayViews(arrays.data(), count), timeout_s, &response);
+          if (problem.empty()) problem = response.error;
+        }
+      } catch (const std::bad_alloc&) {
+        if (!shared) throw;
+        problem = "hostcallback: out of host memory for a call record";
+      } catch (const std::exception& e) {
+        if (!shared) throw;
+        problem = std::string("hostcallback: ") + e.what();
+      }
+    }
+    const size_t results = rets.size() - (shared ? 1 : 0);  // the flag comes last
+    size_t next = 0;
+    for (size_t i = 0; problem.empty() && i < results; ++i) {
+      ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
+      if (!ret.has_value()) return ret.error();
+      ffi::AnyBuffer out = *ret.value();
+      if (out.element_type() == ffi::DataType::TOKEN) continue;
+      if (next >= response.results.size() || response.results[next].size() != out.size_bytes()) {
+        problem = "hostcallback: the host's answer does not match the call's result shapes";
+        break;
+      }
+      if (out.size_bytes() > 0) {
+        std::memcpy(out.untyped_data(), response.results[next].data(), out.size_bytes());
+      }
+      ++next;
+    }
+    if (!shared) {
+      return problem.empty() ? ffi::Error::Success() : ffi::Error::Internal(problem);
+    }
+    if (!problem.empty()) {
+      if (problem.rfind(kTimeoutPrefix, 0) == 0) ReportSharedTimeout(problem);
+      if (ffi::Error error = ZeroOutputs(rets); error.failure()) return error;
+      std::lock_guard<std::mutex> lock(g_call_failures.mu);
+      g_call_failures.by_consumer[consumer_id] = problem;
+    } else {  // no reason of ours is left to be read for a failure elsewhere (another process)
+      std::lock_guard<std::mutex> lock(g_call_failures.mu);
+      g_call_failures.by_consumer.erase(consumer_id);
+    }
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> flag = rets.get<ffi::AnyBuffer>(rets.size() - 1);
+    if (!flag.has_value()) return flag.error();
+    const uint32_t failed = problem.empty() ? 0 : 1;
+    std::memcpy((*flag.value()).untyped_data(), &failed, sizeof(failed));
+    return ffi::Error::Success();
+  });
+}
+
+// After a shared call's results and failure flags were summed over the devices: fails with the
+// call's reason when any device failed, else passes its operands (the flag, then the values)
+// through.
+ffi::Error CheckImpl(uint64_t consumer_id, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  return Guarded([&]() -> ffi::Error {
+    ffi::ErrorOr<ffi::AnyBuffer> flag = args.get<ffi::AnyBuffer>(0);
+    if (!flag.has_value()) return flag.error();
+    uint32_t failed = 0;
+    std::memcpy(&failed, flag.value().untyped_data(), sizeof(failed));
+    if (failed != 0) {
+      std::lock_guard<std::mutex> lock(g_call_failures.mu);
+      auto found = g_call_failures.by_consumer.find(consumer_id);
+      return ffi::Error::Internal(
+          found != g_call_failures.by_consumer.end()
+              ? found->second
+              : "hostcallback: the call failed on a device of another process (its log says why)");
+    }
+    for (size_t i = 0; i < rets.size(); ++i) {
+      ffi::ErrorOr<ffi::AnyBuffer> in = args.get<ffi::AnyBuffer>(i);
+      ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
+      if (!in.has_value()) return in.error();
+      if (!ret.has_value()) return ret.error();
+      ffi::AnyBuffer out = *ret.value();
+      if (out.size_bytes() != in.value().size_bytes()) {
+        return ffi::Error::Internal("hostcallback: check operands and results differ");
+      }
+      if (out.size_bytes() > 0) {
+        std::memcpy(out.untyped_data(), in.value().untyped_data(), out.size_bytes());
+      }
+    }
+    return ffi::Error::Success();
+  });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackCall, CallImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<uint64_t>("consumer_id")
+                                  .Attr<int64_t>("emit_device")
+                                  .Attr<double>("timeout_s")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackCheck, CheckImpl,
+                              ffi::Ffi::Bind()
+                                  .Attr<uint64_t>("consumer_id")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackTap, TapImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Attr<uint64_t>("consumer_id")
+                                  .Attr<int64_t>("emit_device")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+}  // namespace hostcallback

@@ -1,0 +1,309 @@
+// The Python module _hostcallback_outfeed: checks what Python passes, releases the GIL where the
+// core waits, and binds every function and constant Python sees (_hostcallback_outfeed.pyi).
+//
+// The core as a whole is the device side of hostcallback: per-device outfeed queues and the XLA
+// FFI handlers. A handler runs on XLA's device thread. It copies the tapped buffers into one
+// record (header + payload, layout in docs/wire-format.md and hostcallback/wire.py) and appends
+// it to that device's queue. It never runs Python and never takes the GIL. The receiver threads
+// in Python call drain(), which waits here with the GIL released, gathers a batch, and decodes
+// it here: each record comes out as (consumer id, device, sequence, flags, arrays), the arrays
+// read-only numpy views of the record's memory (no copy), barrier markers apart. Deciding what
+// to do with a record (which consumer, pytrees, errors, barriers) lives in Python.
+//
+// One job a file, each header stating the contract its .cc keeps:
+//   constants.h          what C++ and Python share: wire numbers, a drained record's fields,
+//                        "all devices", the platform
+//   record.{h,cc}        one record's bytes and how they are encoded
+//   buffer_pool.{h,cc}   where record buffers come from and go back to; the memory bound
+//   timeouts.{h,cc}      what a timeout means; the message of a call that ran out of it
+//   device_queue.{h,cc}  one queue per (platform, device), the table of them, Enqueue
+//   responses.{h,cc}     the answers to calls, and sending a call to wait for one
+//   ffi_handlers.{h,cc}  the XLA FFI handlers (tap, call, check); GPU handlers go beside them
+//   numpy_api.{h,cc}     the one NumPy C API table of the extension
+//   numpy_records.{h,cc} drained records as numpy views; host arrays on their way in
+//   frames.{h,cc}        record-stream frames for the sinks, many records at once
+//   gil.h                releasing the GIL safely while the interpreter may be finalizing
+//   module.cc            this file
+//
+// Rules every file keeps (docs/reliability.md):
+// - No C++ exception crosses the FFI boundary or the nanobind boundary unhandled; a record is
+//   never lost or leaked on the way out of drain().
+// - Global state is allocated once and never destroyed: XLA's device threads may still run
+//   while the interpreter exits, after static destructors would have run.
+// - Queues are keyed by (platform, device id): ids repeat across platforms.
+
+#include "numpy_api.h"  // first: before any other NumPy header
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "buffer_pool.h"
+#include "constants.h"
+#include "device_queue.h"
+#include "ffi_handlers.h"
+#include "frames.h"
+#include "gil.h"
+#include "nanobind/nanobind.h"
+#include "nanobind/ndarray.h"
+#include "nanobind/stl/string.h"
+#include "nanobind/stl/tuple.h"
+#include "nanobind/stl/vector.h"
+#include "numpy_records.h"
+#include "record.h"
+#include "responses.h"
+#include "timeouts.h"
+
+namespace nb = nanobind;
+
+namespace hostcallback {
+namespace {
+
+DeviceQueue* CheckedQueue(const std::string& platform, int device) {
+  if (device < 0) throw nb::value_error("device ordinal must not be negative");
+  if (platform.empty()) throw nb::value_error("platform must name a JAX platform, e.g. 'cpu'");
+  return LookUpQueue(platform, device);
+}
+
+// A drain's waiting windows (coalesce_s, linger_s) are bounded: 0 to 1 second.
+void CheckWindow(const char* name, double seconds) {
+  if (std::isnan(seconds) || seconds < 0 || seconds > 1) {
+    throw nb::value_error((std::string(name) + " must be between 0 and 1 second").c_str());
+  }
+}
+
+// Waits with the GIL released (DeviceQueue::Pop), then hands the records out undecoded
+// (RawRecords).
+nb::list DrainRaw(int device, size_t max_records, size_t max_bytes, double timeout_s,
+                  const std::string& platform) {
+  if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) throw nb::value_error(bad.c_str());
+  DeviceQueue* queue = CheckedQueue(platform, device);
+  // A batch in Python counts toward the memory bound: never more than one budget of bytes.
+  max_bytes = std::min<uint64_t>(max_bytes, g_max_queue_bytes.load());
+  std::vector<Record> records;
+  {
+    GilReleased released;
+    ReturnReleased();
+    records = queue->Pop(max_records, max_bytes, timeout_s);
+  }
+  return RawRecords(records);
+}
+
+// Waits like drain_raw(), then decodes in C++ (DecodeRecords): (records, markers).
+nb::tuple Drain(int device, size_t max_records, size_t max_bytes, double timeout_s,
+                const std::string& platform, double coalesce_s, double linger_s) {
+  if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) throw nb::value_error(bad.c_str());
+  CheckWindow("coalesce_s", coalesce_s);
+  CheckWindow("linger_s", linger_s);
+  DeviceQueue* queue = CheckedQueue(platform, device);
+  LoadDtypes();  // before any record leaves the queue
+  max_bytes = std::min<uint64_t>(max_bytes, g_max_queue_bytes.load());
+  g_batch_bytes.store(max_bytes, std::memory_order_relaxed);
+  std::vector<Record> records;
+  {
+    GilReleased released;
+    ReturnReleased();
+    records = queue->Pop(max_records, max_bytes, timeout_s, coalesce_s, linger_s);
+  }
+  return DecodeRecords(records);
+}
+
+// The callback transport's tap: the same record, from the device's Python callback.
+void EnqueueFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves,
+                     const std::string& platform) {
+  DeviceQueue* queue = CheckedQueue(platform, device);
+  std::vector<ArrayView> arrays = ViewsOf(leaves);
+  int64_t pushed;
+  {
+    GilReleased released;
+    FlushOwnReleases();
+    pushed = Enqueue(queue, device, consumer_id, arrays);
+  }
+  if (pushed < 0) throw std::runtime_error(WhyNotEnqueued(queue, pushed, 0));
+}
+
+// A uint8 array that owns the bytes, so a large answer reaches Python without another copy.
+nb::object OwningArray(std::vector<uint8_t>&& bytes) {
+  auto* owned = new std::vector<uint8_t>(std::move(bytes));
+  nb::capsule owner(owned, [](void* p) noexcept { delete static_cast<std::vector<uint8_t>*>(p); });
+  size_t shape[1] = {owned->size()};
+  return nb::cast(nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(owned->data(), 1, shape, owner));
+}
+
+// The callback transport's `call`: the same record and wait, from the device's Python callback.
+nb::list CallFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves,
+                      double timeout_s, const std::string& platform) {
+  if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) throw nb::value_error(bad.c_str());
+  DeviceQueue* queue = CheckedQueue(platform, device);
+  std::vector<ArrayView> arrays = ViewsOf(leaves);
+  Response response;
+  std::string problem;
+  {
+    GilReleased released;
+    FlushOwnReleases();
+    problem = CallHost(queue, device, consumer_id, arrays, timeout_s, &response);
+  }
+  if (problem.empty()) problem = response.error;
+  if (!problem.empty()) throw std::runtime_error(problem);
+  nb::list out;
+  for (std::vector<uint8_t>& result : response.results) {
+    out.append(OwningArray(std::move(result)));
+  }
+  return out;
+}
+
+void Respond(int device, uint64_t sequence, const std::vector<ReadOnlyBytes>& results,
+             const std::string& platform) {
+  DeviceQueue* queue = CheckedQueue(platform, device);
+  Response response;
+  for (const ReadOnlyBytes& result : results) {
+    response.results.emplace_back(result.data(), result.data() + result.size());
+  }
+  g_responses.Set({queue, sequence}, std::move(response));
+}
+
+void RespondError(int device, uint64_t sequence, const std::string& message,
+                  const std::string& platform) {
+  DeviceQueue* queue = CheckedQueue(platform, device);
+  Response response;
+  response.error = message.empty() ? "hostcallback: the call failed on the host" : message;
+  g_responses.Set({queue, sequence}, std::move(response));
+}
+
+nb::dict StatsOf(int device, const std::string& platform) {
+  DeviceQueue* queue = CheckedQueue(platform, device);
+  QueueStats s = queue->Stats();
+  auto [calls_waiting, answers_unclaimed] = g_responses.Counts(queue);
+  nb::dict d;
+  d["records_enqueued"] = s.records_enqueued;
+  d["bytes_enqueued"] = s.bytes_enqueued;
+  d["records_delivered"] = s.records_delivered;
+  d["barrier_markers_enqueued"] = s.markers_enqueued;
+  d["barrier_markers_delivered"] = s.markers_delivered;
+  d["bytes_delivered"] = s.bytes_delivered;
+  d["bytes_queued"] = s.bytes_queued;
+  d["peak_bytes_queued"] = s.peak_bytes_queued;
+  d["waits"] = s.waits;
+  d["wait_seconds"] = static_cast<double>(s.wait_ns) * 1e-9;
+  d["producers_waiting"] = s.producers_waiting;
+  d["batches"] = s.batches;
+  d["receiver_wakeups"] = s.receiver_wakeups;
+  d["calls_waiting"] = calls_waiting;
+  d["answers_unclaimed"] = answers_unclaimed;
+  return d;
+}
+
+void ResetPeak(int device, const std::string& platform) {
+  CheckedQueue(platform, device)->ResetPeak();
+}
+
+void FailQueue(int device, const std::string& reason, const std::string& platform) {
+  DeviceQueue* queue = CheckedQueue(platform, device);
+  queue->Fail(reason);
+  g_responses.Fail(queue, reason);
+}
+
+void SetMaxQueueBytes(uint64_t n) {
+  if (n == 0) throw nb::value_error("max_queue_bytes must be positive");
+  SetQueueBudget(n);
+}
+
+// Built into Python objects after the pool's lock (BufferPool::Stats): making them may run the
+// garbage collector, which may free a record's arrays and so return buffers to the pool.
+nb::dict PoolStatsDict() {
+  FlushOwnReleases();  // this thread's released records count as pooled
+  const PoolStats s = g_pool.Stats();
+  nb::dict d;
+  d["pooled_bytes"] = s.pooled_bytes;
+  d["in_use_bytes"] = s.in_use_bytes;
+  d["hits"] = s.hits;
+  d["misses"] = s.misses;
+  d["records_held"] = s.records_held;
+  return d;
+}
+
+void DefineModule(nb::module_& m) {
+  m.doc() = "hostcallback's native outfeed queues and XLA FFI handlers";
+  if (!ImportNumpyApi()) throw nb::python_error();
+  RememberMainThread(nb::cast<unsigned long>(
+      nb::module_::import_("threading").attr("main_thread")().attr("ident")));
+  m.def("registrations", []() {
+    nb::dict d;
+    d["hostcallback_tap"] = nb::capsule(reinterpret_cast<void*>(HostcallbackTap));
+    d["hostcallback_call"] = nb::capsule(reinterpret_cast<void*>(HostcallbackCall));
+    d["hostcallback_check"] = nb::capsule(reinterpret_cast<void*>(HostcallbackCheck));
+    return d;
+  });
+  m.def("drain", &Drain, nb::arg("device"), nb::arg("max_records"), nb::arg("max_bytes"),
+        nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform, nb::arg("coalesce_s") = 0.0,
+        nb::arg("linger_s") = 0.0,
+        "Waits (GIL released) up to timeout_s (0 or inf: forever) for records of one device, "
+        "then up to coalesce_s more for a fuller batch (not when a call or barrier marker is "
+        "queued, nor after such a wait gathered nothing until a burst comes); while records "
+        "come less than linger_s apart, first up to linger_s for the next ones without their "
+        "producers waking it; returns (records, markers): records as (consumer_id, device, "
+        "sequence, flags, (read-only zero-copy numpy arrays)) in queue order, markers as the "
+        "values of the batch's barrier markers. max_bytes is capped at the queue budget.");
+  m.def("drain_raw", &DrainRaw, nb::arg("device"), nb::arg("max_records"), nb::arg("max_bytes"),
+        nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
+        "Like drain, undecoded: a list of read-only uint8 arrays, one a record, each owning its "
+        "memory (for hostcallback.wire.decode_record, the reference decoder).");
+  m.def("enqueue", &EnqueueFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),
+        nb::arg("platform") = kNativePlatform,
+        "Appends one record built from (dtype_code, dims, bytes) leaves; waits while the queue "
+        "is full.");
+  m.attr("CALL_TIMEOUT_PREFIX") = kTimeoutPrefix;
+  m.def("call", &CallFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),
+        nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
+        "Enqueues a call record and waits (GIL released) for the host's answer: one uint8 array "
+        "per result leaf, owning its bytes.");
+  m.def("respond", &Respond, nb::arg("device"), nb::arg("sequence"), nb::arg("results"),
+        nb::arg("platform") = kNativePlatform,
+        "The receiver's answer to a call record: one uint8 array per result leaf.");
+  m.def("respond_error", &RespondError, nb::arg("device"), nb::arg("sequence"), nb::arg("message"),
+        nb::arg("platform") = kNativePlatform, "Fails the waiting call with this message.");
+  m.def("stats", &StatsOf, nb::arg("device"), nb::arg("platform") = kNativePlatform);
+  m.def("reset_peak_bytes_queued", &ResetPeak, nb::arg("device"),
+        nb::arg("platform") = kNativePlatform,
+        "Starts peak_bytes_queued again from what is queued now.");
+  m.def("set_closed", &SetAllClosed, nb::arg("closed"),
+        "Closed queues refuse new records and wake every waiter; what they hold can still be "
+        "drained.");
+  m.def("fail", &FailQueue, nb::arg("device"), nb::arg("reason"),
+        nb::arg("platform") = kNativePlatform,
+        "Its receiver is gone: every waiting and future tap or call on this queue fails with the "
+        "reason; what it holds can still be drained.");
+  m.def("set_max_queue_bytes", &SetMaxQueueBytes, nb::arg("max_queue_bytes"));
+  m.def("max_queue_bytes", []() { return g_max_queue_bytes.load(); });
+  m.def("pooled_bytes", []() { return g_pool.PooledBytes(); },
+        "Bytes of free record buffers kept for reuse.");
+  m.def("pool_stats", &PoolStatsDict,
+        "The buffer pool: pooled_bytes (free), in_use_bytes, hits and misses, records_held. "
+        "in_use_bytes includes small records a receiver released since its last drain.");
+  DefineFrameFunctions(m);
+  // The constants Python shares with the core (constants.h): Python reads them from here.
+  m.attr("NATIVE_PLATFORM") = kNativePlatform;
+  m.attr("WIRE_VERSION") = kVersion;
+  m.attr("WIRE_MAGIC") = kMagic;
+  m.attr("WIRE_ALIGNMENT") = kAlignment;
+  m.attr("WIRE_FIXED_HEADER_BYTES") = kFixedHeaderBytes;
+  m.attr("WIRE_DESCRIPTOR_BYTES") = kDescriptorBytes;
+  m.attr("WIRE_MAX_NDIM") = kMaxNdim;
+  m.attr("FLAG_EXPECTS_RESPONSE") = kFlagExpectsResponse;
+  m.attr("BARRIER_MARKER_ID") = kBarrierMarkerId;
+  m.attr("ALL_DEVICES") = kAllDevices;
+  m.attr("RECORD_CONSUMER_ID") = kRecordConsumerId;
+  m.attr("RECORD_DEVICE_ID") = kRecordDeviceId;
+  m.attr("RECORD_SEQUENCE") = kRecordSequence;
+  m.attr("RECORD_FLAGS") = kRecordFlags;
+  m.attr("RECORD_LEAVES") = kRecordLeaves;
+}
+
+}  // namespace
+}  // namespace hostcallback
+
+NB_MODULE(_hostcallback_outfeed, m) { hostcallback::DefineModule(m); }

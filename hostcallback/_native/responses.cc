@@ -1,0 +1,100 @@
+// Keeps the table of answers to `call` records, and sends a call and waits for its answer.
+// No Python.
+
+#include "responses.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "device_queue.h"
+#include "timeouts.h"
+
+namespace hostcallback {
+
+void Responses::Expect(Key key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  table_[key];
+}
+
+void Responses::Forget(Key key) noexcept {
+  std::lock_guard<std::mutex> lock(mu_);
+  table_.erase(key);
+}
+
+void Responses::Set(Key key, Response response) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto found = table_.find(key);
+    if (found == table_.end() || found->second.answered) return;
+    found->second.answered = true;
+    found->second.response = std::move(response);
+  }
+  cv_.notify_all();
+}
+
+std::string Responses::Wait(Key key, double timeout_s, Response* out, double call_timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto entry = table_.find(key);  // map iterators stay valid while others come and go
+  if (entry == table_.end()) return kStoppedMessage;
+  auto answered = [&] {
+    return closed_ || entry->second.answered || failed_.count(key.first) > 0;
+  };
+  if (WaitsForever(timeout_s)) {
+    cv_.wait(lock, answered);
+  } else {
+    cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), answered);
+  }
+  const bool got = entry->second.answered;
+  if (got) *out = std::move(entry->second.response);
+  table_.erase(entry);
+  if (got) return "";
+  if (auto failed = failed_.find(key.first); failed != failed_.end()) return failed->second;
+  if (closed_) return kStoppedMessage;
+  return TimeoutMessage(call_timeout_s);
+}
+
+std::pair<uint64_t, uint64_t> Responses::Counts(const DeviceQueue* queue) {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t waiting = 0, unclaimed = 0;
+  for (const auto& [key, entry] : table_) {
+    if (key.first != queue) continue;
+    (entry.answered ? unclaimed : waiting) += 1;
+  }
+  return {waiting, unclaimed};
+}
+
+void Responses::SetClosed(bool closed) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = closed;
+  }
+  cv_.notify_all();
+}
+
+void Responses::Fail(const DeviceQueue* queue, const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    failed_[queue] = reason;
+  }
+  cv_.notify_all();
+}
+
+Responses& g_responses = *new Responses();
+
+std::string CallHost(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
+                     double timeout_s, Response* response) {
+  // One timeout for the whole call: waiting for room in the queue, then for the answer.
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t pushed =
+      Enqueue(queue, device, consumer_id, arrays, kFlagExpectsResponse, timeout_s);
+  if (pushed < 0) return WhyNotEnqueued(queue, pushed, timeout_s);
+  double left = timeout_s;
+  if (!WaitsForever(timeout_s)) {
+    const double spent =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    left = std::max(timeout_s - spent, 1e-6);  // > 0: a spent timeout must not mean "forever"
+  }
+  return g_responses.Wait({queue, static_cast<uint64_t>(pushed)}, left, response, timeout_s);
+}
+
+}  // namespace hostcallback

@@ -1,0 +1,79 @@
+// The answers to `call` records: where the receiver leaves the host's answer, and how a device
+// sends a call and waits for it.
+#ifndef HOSTCALLBACK_NATIVE_RESPONSES_H_
+#define HOSTCALLBACK_NATIVE_RESPONSES_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "record.h"
+
+namespace hostcallback {
+
+class DeviceQueue;
+
+// Where the receiver leaves the host's answer to a `call` record, keyed by (queue, sequence),
+// and where the device thread that sent the record waits for it. An entry exists exactly while
+// its call waits: it is made before the record can be drained and erased when the wait ends,
+// however it ends, so answers that come too late are dropped and the table returns to empty.
+struct Response {
+  std::string error;  // empty: success
+  std::vector<std::vector<uint8_t>> results;
+};
+
+class Responses {
+ public:
+  using Key = std::pair<const DeviceQueue*, uint64_t>;
+
+  // Called under the queue's lock, before the call record is visible to any receiver.
+  void Expect(Key key);
+
+  // The call record never joined its queue after all: forget its entry.
+  void Forget(Key key) noexcept;
+
+  // Stores the answer if its call still waits; drops it otherwise (timed out, stopped).
+  void Set(Key key, Response response);
+
+  // Why no answer came (stopped, timed out), or the empty string with *out set.
+  // timeout_s is what is left of the call's timeout, the whole of which the message names.
+  std::string Wait(Key key, double timeout_s, Response* out, double call_timeout_s);
+
+  // (calls waiting for an answer, answers not yet taken by their call) for one queue.
+  std::pair<uint64_t, uint64_t> Counts(const DeviceQueue* queue);
+
+  void SetClosed(bool closed);
+
+  // Every waiting and future call on this queue fails with the reason (its receiver died).
+  void Fail(const DeviceQueue* queue, const std::string& reason);
+
+  static constexpr char kStoppedMessage[] =
+      "hostcallback: the outfeed receiver was stopped (stop_outfeed_receiver()); "
+      "taps cannot be delivered in this process any more";
+
+ private:
+  struct Entry {
+    bool answered = false;
+    Response response;
+  };
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::map<Key, Entry> table_;
+  std::map<const DeviceQueue*, std::string> failed_;
+  bool closed_ = false;
+};
+
+// Never destroyed (see the rules at the top of module.cc).
+extern Responses& g_responses;
+
+// Sends a call record and waits for the answer; fills *response or says why it could not.
+std::string CallHost(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
+                     double timeout_s, Response* response);
+
+}  // namespace hostcallback
+
+#endif  // HOSTCALLBACK_NATIVE_RESPONSES_H_

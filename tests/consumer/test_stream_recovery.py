@@ -1,0 +1,202 @@
+"""A damaged region never loses a whole stream file; rotated files read in order; tail follows
+rotation."""
+
+import io
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+from helpers import wait_until
+
+from hostcallback.consumer import FileSink, TapRecord, read_records, stream
+from hostcallback.consumer.stream import SkippedRange
+from hostcallback.consumer.stream_files import follow_records, read_stream, stream_files
+
+RECORDS = [TapRecord(name="x", step=i, value=np.arange(i + 1)) for i in range(10)]
+
+
+def steps(records):
+    return [r.step for r in records]
+
+
+def offset_of_record(data: bytes, index: int) -> int:
+    """Where record ``index`` (0-based, after the header frame) starts."""
+    position = -1
+    for _ in range(index + 2):
+        position = data.find(stream.SYNC, position + 1)
+    return position
+
+
+def test_damaged_bytes_in_the_middle_lose_only_the_records_they_touch():
+    data = bytearray(stream.dumps(RECORDS))
+    start = offset_of_record(data, 4) + 20
+    data[start:start + 8] = b"\xff" * 8
+    skipped = []
+    assert steps(read_records(io.BytesIO(bytes(data)), skipped)) == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+    (region,) = skipped
+    assert region.start == offset_of_record(data, 4) and region.end == offset_of_record(data, 5)
+    assert "CRC-32" in region.reason
+
+
+def test_a_damaged_length_field_is_skipped_past():
+    data = bytearray(stream.dumps(RECORDS))
+    start = offset_of_record(data, 2)
+    data[start + 4:start + 8] = (10 ** 6).to_bytes(4, "little")
+    skipped = []
+    assert steps(read_records(io.BytesIO(bytes(data)), skipped)) == [0, 1, 3, 4, 5, 6, 7, 8, 9]
+    assert [(r.start, r.end) for r in skipped] == [(start, offset_of_record(data, 3))]
+
+
+def test_a_torn_last_record_is_reported_and_the_rest_kept():
+    data = stream.dumps(RECORDS)
+    skipped = []
+    assert steps(read_records(io.BytesIO(data[:-7]), skipped)) == list(range(9))
+    assert skipped == [SkippedRange(offset_of_record(data, 9), len(data) - 7,
+                                    "torn last record (the writer stopped mid-write)")]
+
+
+def test_without_a_list_skipped_ranges_are_logged(caplog):
+    data = bytearray(stream.dumps(RECORDS))
+    data[offset_of_record(data, 1) + 15] ^= 0xFF
+    assert len(list(read_records(io.BytesIO(bytes(data))))) == 9
+    assert "skipped bytes" in caplog.text and "every intact record" in caplog.text
+
+
+def test_a_damaged_first_header_loses_only_itself():
+    data = bytearray(stream.dumps(RECORDS))
+    data[stream.FRAME.size + 3] ^= 0xFF  # inside the header frame's payload
+    skipped = []
+    assert steps(read_records(io.BytesIO(bytes(data)), skipped)) == list(range(10))
+    (region,) = skipped
+    assert region.start == 0 and region.end == offset_of_record(data, 0)
+
+
+def _version_1(records) -> bytes:
+    return stream.pack({"format": stream.FORMAT, "version": 1}) + b"".join(
+        stream.pack(r.to_map()) for r in records)
+
+
+def test_version_1_files_still_read():
+    assert steps(read_records(io.BytesIO(_version_1(RECORDS)))) == list(range(10))
+
+
+def test_version_1_files_resynchronise_after_damage_too():
+    data = bytearray(_version_1(RECORDS))
+    third = data.find(b"\x8c\xa4name", data.find(b"\x8c\xa4name", data.find(b"\x8c\xa4name") + 1) + 1)
+    data[third + 8:third + 12] = b"\xc1\xc1\xc1\xc1"
+    skipped = []
+    assert steps(read_records(io.BytesIO(bytes(data)), skipped)) == [0, 1, 3, 4, 5, 6, 7, 8, 9]
+    assert len(skipped) == 1
+
+
+def test_a_file_sink_appending_to_a_version_1_file_keeps_both_readable(tmp_path):
+    path = tmp_path / "old.hcbs"
+    path.write_bytes(_version_1(RECORDS[:3]))
+    sink = FileSink(path)
+    sink.emit(RECORDS[3])
+    sink.close()
+    assert steps(read_records(path)) == [0, 1, 2, 3]
+
+
+def test_random_damage_never_loses_a_record_it_does_not_touch():
+    rng = np.random.default_rng(0)
+    clean = stream.dumps(RECORDS)
+    bounds = [offset_of_record(clean, i) for i in range(10)] + [len(clean)]
+    for _ in range(200):
+        data = bytearray(clean)
+        where = int(rng.integers(bounds[0], len(data)))
+        data[where] ^= int(rng.integers(1, 256))
+        touched = next(i for i in range(10) if bounds[i] <= where < bounds[i + 1])
+        got = list(read_records(io.BytesIO(bytes(data)), []))
+        # Every byte of a frame is covered by its CRC-32: the touched record never comes back.
+        assert steps(got) == [s for s in range(10) if s != touched]
+        assert all(np.array_equal(r.value, RECORDS[r.step].value) for r in got)
+
+
+def test_an_intact_record_holding_frame_bytes_across_a_chunk_boundary_is_read_whole():
+    # A tapped byte buffer may hold a whole stream; read_records reads 1 MB chunks, and a
+    # record longer than one must not be taken for a damaged length because of what it holds.
+    inner = stream.dumps([TapRecord(name="fake", value=1)])
+    payload = np.frombuffer(inner + bytes(2 << 20), np.uint8)
+    data = stream.dumps([TapRecord(name="a", value=0), TapRecord(name="real", value=payload),
+                         TapRecord(name="b", value=2)])
+    skipped = []
+    records = list(read_records(io.BytesIO(data), skipped))
+    assert [r.name for r in records] == ["a", "real", "b"]
+    assert np.array_equal(records[1].value, payload)
+    assert skipped == []
+
+
+def test_stream_files_lists_rotated_files_oldest_first(tmp_path):
+    path = tmp_path / "rot.hcbs"
+    sink = FileSink(path, max_bytes=600, backup_count=50)
+    for record in RECORDS:
+        sink.emit(record)
+    sink.close()
+    files = stream_files(path)
+    assert len(files) > 3 and files[-1] == str(path)
+    assert files[:-1] == sorted(files[:-1], key=lambda f: -int(f.rsplit(".", 1)[1]))
+    assert steps(read_stream(path)) == list(range(10))
+
+
+@pytest.mark.timeout(60)
+def test_follow_records_follows_rotation(tmp_path):
+    path = tmp_path / "follow.hcbs"
+    sink = FileSink(path, max_bytes=600, backup_count=50)
+    sink.emit(RECORDS[0])
+    sink.flush()
+    seen, done = [], threading.Event()
+
+    def follow():
+        for record in follow_records(path, poll_seconds=0.01, should_stop=done.is_set):
+            seen.append(record.step)
+
+    follower = threading.Thread(target=follow)
+    follower.start()
+    try:
+        wait_until(lambda: seen == [0], what="following the file before it rotates")
+        for record in RECORDS[1:]:
+            sink.emit(record)
+            sink.flush()
+        sink.close()
+        assert len(stream_files(path)) > 3  # it did rotate
+        wait_until(lambda: len(seen) >= 10, what="following it across its rotations")
+    finally:
+        done.set()
+        follower.join(10)
+    assert seen == list(range(10))
+
+
+def test_cli_tail_of_a_damaged_file_reports_the_range_and_prints_the_rest(tmp_path):
+    data = bytearray(stream.dumps(RECORDS))
+    data[offset_of_record(data, 4) + 20] ^= 0xFF
+    path = tmp_path / "damaged.hcbs"
+    path.write_bytes(bytes(data))
+    result = subprocess.run([sys.executable, "-m", "hostcallback.consumer", "tail", str(path)],
+                            capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0 and "Traceback" not in result.stderr
+    assert result.stdout.count("name: x") == 9
+    (warning,) = result.stderr.strip().splitlines()
+    assert "skipped bytes" in warning and "CRC-32" in warning
+
+
+def test_following_resynchronises_past_a_damaged_length_with_intact_frames_inside_it(tmp_path):
+    data = bytearray(stream.dumps(RECORDS))
+    start = offset_of_record(data, 2)
+    data[start + 4:start + 8] = (10 ** 6).to_bytes(4, "little")  # claims more than there is
+    path = tmp_path / "live.hcbs"
+    path.write_bytes(bytes(data))  # a live file: the writer may still be writing
+    followed = list(follow_records(path, poll_seconds=0.01, should_stop=lambda: True))
+    assert steps(followed) == [0, 1, 3, 4, 5, 6, 7, 8, 9]
+
+
+def test_a_long_frame_still_arriving_is_waited_for_not_skipped():
+    big = TapRecord(name="x", step=0, value=np.arange(100_000))
+    data = stream.dumps([big, RECORDS[1]])
+    reader = stream.StreamReader()
+    got = []
+    for position in range(0, len(data), 4096):
+        got += reader.feed(data[position:position + 4096])
+    assert steps(got + reader.finish()) == [0, 1] and reader.skipped == []

@@ -1,0 +1,108 @@
+"""A call function that itself runs jitted JAX work, with steps dispatched back to back (EvoX's
+pattern): it finishes wherever JAX's own callbacks finish it, on both transports; where it cannot
+(the function's work queued behind the next step on a device the computation waits on, which
+hangs with jax.pure_callback too), a call with a timeout fails with an error that says why and
+that blocking each step avoids it; blocked steps finish under a sharded jit too."""
+
+import pytest
+from helpers import TRANSPORTS, run_python
+
+EVOX_STEPS = """
+import jax, jax.numpy as jnp, numpy as np
+import hostcallback as hcb
+
+inner = jax.jit(lambda p: jnp.sum(p, axis=1))   # the "problem", evaluated on the host side
+timeout = {timeout}
+
+def fitness(pop):
+    return hcb.call(lambda p: np.asarray(inner(p)), pop, timeout=timeout,
+                    result_shape=jax.ShapeDtypeStruct(pop.shape[:1], jnp.float32))
+
+scenario = {scenario!r}
+sharded = None
+if scenario == "sharded_jit":  # the population split over 4 devices
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("d",))
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("d"))
+
+def step(key):
+    key, sub = jax.random.split(key)
+    pop = jax.random.uniform(sub, (20, 2))
+    if sharded is not None:
+        pop = jax.lax.with_sharding_constraint(jnp.tile(pop, (4, 1)), sharded)
+    return key, fitness(pop).min()
+
+run = jax.pmap(step) if scenario == "pmap" else jax.jit(step)
+key = jax.random.PRNGKey(0)
+if scenario == "pmap":
+    key = jax.random.split(key, 4)
+blocked = {blocked}
+try:
+    for i in range(200):
+        key, best = run(key)          # no block_until_ready between steps, unless blocked
+        if blocked:
+            jax.block_until_ready(key)
+    print("ok", float(jnp.min(best)))
+except Exception as error:
+    print("failed:", str(error)[-900:].replace("\\n", " "))
+"""
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.needs_internals("native calls run synchronously (a function that runs JAX work "
+                             "with steps dispatched back to back)", transport="native")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("devices", [1, 4])
+def test_a_call_that_runs_jax_finishes_with_steps_dispatched_back_to_back(transport, devices):
+    result = run_python(EVOX_STEPS.format(scenario="jit", timeout=None, blocked=False),
+                        devices=devices, timeout=120, env={"HOSTCALLBACK_TRANSPORT": transport})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("ok 0.040218"), result.stdout
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.needs_internals("calls in a jit over a sharded mesh", transport="native")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_under_a_sharded_jit_it_finishes_when_each_step_is_waited_for(transport):
+    result = run_python(EVOX_STEPS.format(scenario="sharded_jit", timeout=None, blocked=True),
+                        devices=4, timeout=120, env={"HOSTCALLBACK_TRANSPORT": transport})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("ok 0.040218"), result.stdout
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.needs_internals("native calls run synchronously (a function that runs JAX work "
+                             "with steps dispatched back to back)", transport="native")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_under_pmap_back_to_back_a_call_with_a_timeout_fails_saying_why(transport):
+    result = run_python(EVOX_STEPS.format(scenario="pmap", timeout=5.0, blocked=False),
+                        devices=4, timeout=150, env={"HOSTCALLBACK_TRANSPORT": transport})
+    assert result.returncode == 0, result.stderr[-3000:]
+    if result.stdout.startswith("ok"):
+        return  # it finished: timing let XLA run the function's work
+    assert "did not answer this call within its timeout of 5 s" in result.stdout, result.stdout
+    assert "block_until_ready" in result.stdout, result.stdout
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.needs_internals("native calls run synchronously (a function that runs JAX work "
+                             "with steps dispatched back to back)", transport="native")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_under_a_sharded_jit_back_to_back_it_never_hangs(transport):
+    """The function's work queues on device 0 behind the next step, which waits for this one.
+    The call's timeout then fails the step saying why, and says so on stderr at once; or XLA's
+    CPU client leaves one device's launch waiting for a slot while the others wait for it in a
+    collective, before any call, and XLA ends the process after its 40 s rendezvous limit,
+    saying so (JAX's own pure_callback ends that way every time); either way within the
+    deadline."""
+    result = run_python(EVOX_STEPS.format(scenario="sharded_jit", timeout=5.0, blocked=False),
+                        devices=4, timeout=150, env={"HOSTCALLBACK_TRANSPORT": transport})
+    if result.returncode == 0:
+        if result.stdout.startswith("ok"):
+            return
+        timed_out = "did not answer this call within its timeout of 5 s"
+        assert timed_out in result.stdout and "block_until_ready" in result.stdout, result.stdout
+        assert timed_out in result.stderr and "every device fails with this error" in \
+            result.stderr, result.stderr[-3000:]
+    else:
+        assert result.returncode == -6, result.stderr[-3000:]  # SIGABRT from XLA's check
+        assert "Termination timeout for" in result.stderr, result.stderr[-3000:]

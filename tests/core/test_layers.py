@@ -1,0 +1,124 @@
+"""The package's layers, as docs/architecture.md names them: no module imports one of a higher
+layer, and no import cycle, counting imports inside functions too."""
+
+import ast
+import pathlib
+
+import pytest
+from helpers import ROOT
+
+# Where each module's folder lies: the repository's consumer/ is installed as hostcallback.consumer.
+FOLDERS = {"hostcallback": ROOT / "hostcallback", "hostcallback.consumer": ROOT / "consumer"}
+
+# Lowest first; a module may import its own layer and those below. The first matching prefix
+# (longest first) names a module's layer.
+LAYERS = [
+    ("basics", ["hostcallback._native", "hostcallback._jax", "hostcallback.config",
+                "hostcallback.versions", "hostcallback.errors", "hostcallback.wire",
+                "hostcallback.flavors", "hostcallback.registry", "hostcallback.record_context",
+                "hostcallback.printing", "hostcallback.failures",
+                "hostcallback.record_layout"]),
+    ("records and lowering rules", [
+        "hostcallback.transport", "hostcallback.program_order", "hostcallback.keep_taps",
+        "hostcallback.reentry", "hostcallback.batches", "hostcallback.results"]),
+    ("the primitive and the receivers", [
+        "hostcallback.sharded_lowering", "hostcallback.primitive", "hostcallback.portable",
+        "hostcallback.binding", "hostcallback.receiver"]),
+    ("start, barrier and stop", ["hostcallback.lifecycle"]),
+    ("the public API", ["hostcallback.api", "hostcallback.addons", "hostcallback.testing",
+                        "hostcallback.debug", "hostcallback"]),
+    ("add-ons", ["hostcallback.consumer"]),
+    ("the command line", ["hostcallback.__main__"]),
+]
+
+
+def modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for package, folder in FOLDERS.items():
+        for path in folder.rglob("*.py"):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([package, *parts])] = path
+    return found
+
+
+def imports_of(name: str, path: pathlib.Path, known: set[str]) -> set[str]:
+    """The known modules ``name`` imports anywhere in its file; ``from package import module``
+    counts as importing the module (the package's own __init__ is imported either way)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            submodules = {f"{base}.{alias.name}" for alias in node.names} & known
+            out.update(submodules or {base})
+    return {target for target in out if target in known and target != name}
+
+
+def layer_of(name: str) -> int:
+    best = max(((len(prefix), index) for index, (_, prefixes) in enumerate(LAYERS)
+                for prefix in prefixes if name == prefix or name.startswith(prefix + ".")),
+               default=None)
+    if best is None:
+        pytest.fail(f"{name} is in no layer: add it to LAYERS and to docs/architecture.md")
+    return best[1]
+
+
+def import_graph() -> dict[str, set[str]]:
+    found = modules()
+    return {name: imports_of(name, path, set(found)) for name, path in found.items()}
+
+
+def test_every_module_is_in_a_layer():
+    for name in import_graph():
+        layer_of(name)
+
+
+def test_no_module_imports_a_higher_layer():
+    upward = [f"{name} ({LAYERS[layer_of(name)][0]}) imports {target} "
+              f"({LAYERS[layer_of(target)][0]})"
+              for name, targets in import_graph().items() for target in sorted(targets)
+              if layer_of(target) > layer_of(name)]
+    assert not upward, "\n".join(upward)
+
+
+def test_there_is_no_import_cycle():
+    graph = import_graph()
+    state: dict[str, str] = {}
+    cycles = []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for target in sorted(graph[name]):
+            if state.get(target) == "open":
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_the_check_sees_imports_inside_functions():
+    """The check must find what a function-level import hides (one once hid a cycle)."""
+    graph = import_graph()
+    assert "hostcallback.portable" in graph["hostcallback.binding"]  # imported in a function
+
+
+def test_the_consumers_use_only_the_public_api_and_addons():
+    """hostcallback.consumer is written the way a third party's sink would be."""
+    allowed = {"hostcallback", "hostcallback.addons", "hostcallback.debug"}
+    reached = {f"{name} imports {target}" for name, targets in import_graph().items()
+               if name.startswith("hostcallback.consumer")
+               for target in targets
+               if not target.startswith("hostcallback.consumer") and target not in allowed}
+    assert not reached, "\n".join(sorted(reached))

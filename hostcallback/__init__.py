@@ -25,6 +25,7 @@ if TYPE_CHECKING:
                                   call,
                                   id_print,
                                   id_tap,
+                                  io_callback,
                                   pure_callback,
                                   queue_stats,
                                   stop_outfeed_receiver,
@@ -58,8 +59,10 @@ __all__ = [
     "config",
     "configure",
     "current_record",
+    "debug",
     "id_print",
     "id_tap",
+    "io_callback",
     "pure_callback",
     "queue_stats",
     "reset_peak_bytes_queued",
@@ -69,19 +72,28 @@ __all__ = [
 
 # The public names that need jax or the compiled core, by the module that defines them.
 _IMPORTED_ON_FIRST_USE = {
-    **dict.fromkeys(("barrier_wait", "call", "id_print", "id_tap", "pure_callback", "queue_stats",
-                     "stop_outfeed_receiver", "taps_delivered"), "hostcallback.api"),
+    **dict.fromkeys(("barrier_wait", "call", "id_print", "id_tap", "io_callback", "pure_callback",
+                     "queue_stats", "stop_outfeed_receiver", "taps_delivered"),
+                    "hostcallback.api"),
     "CallbackException": "hostcallback.failures",
     **dict.fromkeys(("RecordContext", "current_record"), "hostcallback.record_context"),
     **dict.fromkeys(("ReceiverStoppedError", "reset_peak_bytes_queued"), "hostcallback.receiver"),
 }
 
 
+# Public submodules that need jax: ``hcb.debug.print`` works without importing them first.
+_SUBMODULES = ("debug",)
+_IMPORTED_ON_FIRST_USE.update(dict.fromkeys(_SUBMODULES, ""))
+
+
 def __getattr__(name: str) -> Any:
     module = _IMPORTED_ON_FIRST_USE.get(name)
     if module is None:
         raise AttributeError(f"module 'hostcallback' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    if name in _SUBMODULES:
+        value = importlib.import_module(f"hostcallback.{name}")
+    else:
+        value = getattr(importlib.import_module(module), name)
     globals()[name] = value  # later lookups skip __getattr__
     return value
 

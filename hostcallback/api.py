@@ -385,6 +385,16 @@ def call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any = Non
     if kwargs:
         raise TypeError(f"call() got unexpected keyword argument(s) {', '.join(sorted(kwargs))}")
     _warn_if_a_shape_was_meant(result_shape)
+    return _call(callback_func, arg, result_shape=result_shape,
+                 call_with_device=call_with_device, device_index=device_index, timeout=timeout,
+                 ordered=ordered, callback_flavor=callback_flavor, vmap_method=vmap_method)
+
+
+def _call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any,
+          call_with_device: bool = False, device_index: int = 0, timeout: float | None = None,
+          ordered: bool | None = None, callback_flavor: CallbackFlavor | str | None = None,
+          vmap_method: str | None = None, jax_api: str = "") -> Any:
+    """call(), for call itself and for the functions with JAX's signatures (``jax_api``)."""
     if not callable(callback_func):
         raise TypeError(f"call() needs a callable callback_func, got {type(callback_func).__name__}")
     if timeout is not None and not timeout > 0:
@@ -406,7 +416,8 @@ def call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any = Non
     consumer = Consumer(func=callback_func, treedef=treedef, with_device=call_with_device,
                         name=getattr(callback_func, "__name__", repr(callback_func)),
                         result_treedef=result_treedef, result_avals=result_avals,
-                        key_impls=key_impls, x64=bool(jax.config.jax_enable_x64))
+                        key_impls=key_impls, x64=bool(jax.config.jax_enable_x64),
+                        jax_api=jax_api)
     if flavor is CallbackFlavor.DEBUG:
         # Nothing comes back, so the device does not wait: the record travels as a tap does.
         _tap(consumer, leaves, device_index, ordered, flavor)
@@ -441,20 +452,37 @@ def _result_shape_keyword(result_shape: Any, kwargs: dict) -> Any:
 
 class _CallWithArgs(EqualByKey):
     """Adapts ``callback(*args, **kwargs)`` to a call consumer's single argument; equal for equal
-    callbacks, so that retracing reuses the consumer id."""
+    callbacks, so that retracing reuses the consumer id. With ``as_jax_arrays`` (a call made
+    outside jit, as JAX's callbacks are there) the arrays are handed over as jax.Arrays."""
 
-    __slots__ = ("__name__", "callback")
+    __slots__ = ("__name__", "as_jax_arrays", "callback")
 
-    def __init__(self, callback: Callable[..., Any]) -> None:
-        self.callback = callback
+    def __init__(self, callback: Callable[..., Any], as_jax_arrays: bool = False) -> None:
+        self.callback, self.as_jax_arrays = callback, as_jax_arrays
         self.__name__ = getattr(callback, "__name__", repr(callback))
 
     def _key(self):
-        return self.callback
+        return (self.callback, self.as_jax_arrays)
 
     def __call__(self, packed):
         args, kwargs = packed
+        if self.as_jax_arrays:
+            args, kwargs = tree_util.tree_map(
+                lambda leaf: jax.device_put(leaf) if isinstance(leaf, np.ndarray) else leaf,
+                (args, kwargs))
         return self.callback(*args, **kwargs)
+
+
+def _traced(tree: Any) -> bool:
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in tree_util.tree_leaves(tree))
+
+
+def _check_callback_sharding(api: str, sharding: Any) -> None:
+    if sharding is not None and len(getattr(sharding, "device_set", ())) != 1:
+        raise NotImplementedError(
+            f"{api}(sharding={sharding!r}): only None or a single-device sharding is "
+            "supported; to pick which device of a sharded computation calls the host, use "
+            "hostcallback.call(..., device_index=i)")
 
 
 def pure_callback(callback: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
@@ -468,11 +496,7 @@ def pure_callback(callback: Callable[..., Any], result_shape_dtypes: Any, *args:
     ``sharding`` may only be None or a single-device sharding of the device that runs the
     computation; hostcallback.call's ``device_index`` picks a device of a sharded computation.
     """
-    if sharding is not None and len(getattr(sharding, "device_set", ())) != 1:
-        raise NotImplementedError(
-            f"pure_callback(sharding={sharding!r}): only None or a single-device sharding is "
-            "supported; to pick which device of a sharded computation calls the host, use "
-            "hostcallback.call(..., device_index=i, callback_flavor=CallbackFlavor.PURE)")
+    _check_callback_sharding("pure_callback", sharding)
     if not callable(callback):
         raise TypeError(f"pure_callback() needs a callable, got {type(callback).__name__}")
     _check_arity(callback, "pure_callback", len(args), False,
@@ -480,5 +504,31 @@ def pure_callback(callback: Callable[..., Any], result_shape_dtypes: Any, *args:
                  + (f" and keyword(s) {', '.join(sorted(kwargs))}" if kwargs else ""),
                  "a function that takes the arguments given after result_shape_dtypes",
                  keywords=tuple(kwargs))
-    return call(_CallWithArgs(callback), (args, kwargs), result_shape=result_shape_dtypes,
-                callback_flavor=CallbackFlavor.PURE, vmap_method=vmap_method)
+    return _call(_CallWithArgs(callback, as_jax_arrays=not _traced((args, kwargs))),
+                 (args, kwargs), result_shape=result_shape_dtypes,
+                 callback_flavor=CallbackFlavor.PURE, vmap_method=vmap_method,
+                 jax_api="pure_callback")
+
+
+def io_callback(callback: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
+                sharding: Any = None, ordered: bool = False, **kwargs: Any) -> Any:
+    """``jax.experimental.io_callback`` with the same signature, over hostcallback's transport.
+
+    ``callback(*args, **kwargs)`` runs on the host and returns a pytree like
+    ``result_shape_dtypes``, which comes back into the computation; it is never dropped or
+    repeated. ``ordered=True`` keeps program order with other ordered callbacks across
+    computations. Under vmap it runs once per batch element (an ordered one cannot be vmapped);
+    under grad it raises, as JAX's does. ``sharding``: as for pure_callback.
+    """
+    _check_callback_sharding("io_callback", sharding)
+    if not callable(callback):
+        raise TypeError(f"io_callback() needs a callable, got {type(callback).__name__}")
+    _check_arity(callback, "io_callback", len(args), False,
+                 f"callback(*args, **kwargs) with {len(args)} argument(s)"
+                 + (f" and keyword(s) {', '.join(sorted(kwargs))}" if kwargs else ""),
+                 "a function that takes the arguments given after result_shape_dtypes",
+                 keywords=tuple(kwargs))
+    return _call(_CallWithArgs(callback, as_jax_arrays=not _traced((args, kwargs))),
+                 (args, kwargs), result_shape=result_shape_dtypes, ordered=bool(ordered),
+                 callback_flavor=CallbackFlavor.IO_CALLBACK,
+                 vmap_method=None if ordered else "sequential", jax_api="io_callback")

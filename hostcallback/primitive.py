@@ -111,6 +111,13 @@ def _batch_call(args, dims, *, consumer_id, result_avals, vmap_method, **params)
     """The vmap_method meanings of jax.pure_callback. The host sees leading batch axes (or one
     element at a time, for the sequential methods) and returns results to match."""
     consumer = registry.get(consumer_id)
+    if consumer.jax_api == "io_callback" and params["ordered"]:
+        raise ValueError("Cannot `vmap` ordered IO callback.")
+    if vmap_method is None and consumer.jax_api:
+        raise NotImplementedError(
+            f"vmap is only supported for the {consumer.jax_api} primitive when vmap_method is "
+            "one of 'sequential', 'sequential_unrolled', 'expand_dims', 'broadcast_all', or "
+            f"'legacy_vectorized'. Got {vmap_method=}.")
     if vmap_method is None:
         raise NotImplementedError(
             f"vmap of hostcallback.call ({consumer.name}) needs a vmap_method: one of "
@@ -149,6 +156,12 @@ batching.primitive_batchers[outside_call_p] = _batching_rule
 
 def _jvp_rule(primals, tangents, **params):
     """The tap fires once, on primal values; tangents pass through untouched."""
+    jax_api = registry.get(params["consumer_id"]).jax_api
+    if jax_api == "pure_callback":
+        raise ValueError("Pure callbacks do not support JVP. Please use `jax.custom_jvp` to use "
+                         "callbacks while taking gradients.")
+    if jax_api == "io_callback":
+        raise ValueError("IO callbacks do not support JVP.")
     if params["result_avals"] is not None:
         raise TypeError(
             f"hostcallback.call ({registry.get(params['consumer_id']).name}) cannot be "

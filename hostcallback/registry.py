@@ -60,6 +60,9 @@ class Consumer:
     key_impls: tuple = ()
     # A call traced with x64 on accepts only exact result dtypes (no float64 -> float32).
     x64: bool = False
+    # "pure_callback" or "io_callback": a call made through hostcallback's function of that
+    # name, which fails under transformations with JAX's own exceptions and messages.
+    jax_api: str = ""
 
     # A tap function's ``tap_batch`` method (hostcallback.batches), taken once; never a call's.
     tap_batch: Callable[..., Any] | None = dataclasses.field(

@@ -1,0 +1,250 @@
+"""``jax.debug.callback`` and ``jax.debug.print`` with JAX's signatures, on hostcallback's taps.
+
+Change ``jax.debug`` to ``hostcallback.debug`` and the code stays as it is: the same arguments,
+the same calls of the callback (once per batch element under vmap, primal values only under
+jvp and grad, each device's shard with ``partitioned=True``), the same printed text. What
+differs is where the callback runs: on the device's receiver thread, after the device went on,
+instead of on the device's own thread while it waits (the migration guide says what differs).
+``effects_barrier()`` waits for them as ``jax.effects_barrier()`` waits for JAX's own.
+"""
+
+from __future__ import annotations
+
+import functools
+import string
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax import tree_util
+
+from hostcallback import api
+from hostcallback.flavors import CallbackFlavor
+from hostcallback.lifecycle import lifecycle
+from hostcallback.registry import Consumer, EqualByKey
+
+__all__ = ["HostArray", "callback", "effects_barrier", "print"]
+
+
+def callback(callback: Callable[..., None] | None = None, *args: Any, ordered: bool = False,
+             partitioned: bool = False, **kwargs: Any) -> Callable[..., None] | None:
+    """Calls ``callback(*args, **kwargs)`` on the host, as ``jax.debug.callback`` does.
+
+    The two-call form ``callback(ordered=True)(f, x)`` works too. Leaves that are not arrays or
+    numbers (strings, objects) reach the callback as they are; arrays arrive as ``HostArray``:
+    read-only numpy arrays that print and format as ``jax.Array`` does. Its return value is
+    ignored.
+    """
+    if callback is None:
+        if args or kwargs:
+            raise TypeError("debug_callback received unexpected arguments in the two-call form:"
+                            f" {args=} {kwargs=}")
+        return functools.partial(_debug_callback, ordered=ordered, partitioned=partitioned)
+    _debug_callback(callback, *args, ordered=ordered, partitioned=partitioned, **kwargs)
+    return None
+
+
+def print(fmt: str | None = None, *args: Any, ordered: bool = False,  # noqa: A001 - JAX's name
+          partitioned: bool = False, skip_format_check: bool = False,
+          **kwargs: Any) -> Callable[..., None] | None:
+    """Prints ``fmt.format(*args, **kwargs)`` from the host, as ``jax.debug.print`` does.
+
+    Arrays are formatted with the numpy print options in force where it was traced; a format
+    string without fields prints itself followed by the values, separated by spaces. The
+    two-call form ``print(ordered=True)("x={x}", x=x)`` works too.
+    """
+    options = {"ordered": ordered, "partitioned": partitioned,
+               "skip_format_check": skip_format_check}
+    if fmt is None:
+        if args or kwargs:
+            raise TypeError("debug_print received unexpected arguments in the two-call form:"
+                            f" {args=} {kwargs=}")
+        return functools.partial(_debug_print, **options)
+    _debug_print(fmt, *args, **options, **kwargs)
+    return None
+
+
+def effects_barrier() -> None:
+    """Waits until every callback and print dispatched so far has run, as
+    ``jax.effects_barrier()`` does for JAX's own; a callback that raised is raised here as
+    CallbackException. (``barrier_wait()`` does the same; JAX's own callbacks need
+    ``jax.effects_barrier()``.)"""
+    lifecycle.barrier_wait()
+
+
+def _debug_callback(callback: Callable[..., None], *args: Any, ordered: bool,
+                    partitioned: bool, **kwargs: Any) -> None:
+    if not callable(callback):
+        raise TypeError("first argument to jax.debug.callback must be callable, but got an "
+                        f"object of type {type(callback)}")
+    _tap_arguments(_CallbackWithArgs(callback), args, kwargs, ordered, partitioned,
+                   name=getattr(callback, "__name__", "debug.callback"))
+
+
+def _debug_print(fmt: str, *args: Any, ordered: bool, partitioned: bool,
+                 skip_format_check: bool, **kwargs: Any) -> None:
+    if not skip_format_check:
+        _FormatChecker().format(fmt, *args, **kwargs)
+    fields = [field for _, field, _, _ in string.Formatter().parse(fmt)] if fmt else []
+    has_placeholders = bool(fields) and fields[0] is not None
+    printer = _Printer(fmt, has_placeholders, tuple(np.get_printoptions().items()))
+    _tap_arguments(printer, args, kwargs, ordered, partitioned, name="debug.print")
+
+
+def _tap_arguments(function: _Unbatching, args: tuple, kwargs: dict, ordered: bool,
+                   partitioned: bool, name: str) -> None:
+    """Taps the arguments' array leaves; the others travel with the consumer, as JAX keeps
+    them out of the computation."""
+    leaves, in_tree = tree_util.tree_flatten((args, kwargs))
+    static = {i: leaf for i, leaf in enumerate(leaves) if not _is_array_like(leaf)}
+    dynamic = [leaf for i, leaf in enumerate(leaves) if i not in static]
+    flat, treedef, key_impls = api._flatten(tuple(dynamic))
+    function.bind_layout(in_tree, static)
+    consumer = Consumer(func=function, treedef=treedef, name=name, key_impls=key_impls)
+    api._tap(consumer, flat, 0, bool(ordered), CallbackFlavor.DEBUG,
+             **api._tap_only_params(partitioned, "deliver"))
+
+
+def _is_array_like(leaf: Any) -> bool:
+    """What JAX stages as an operand: anything it can give an abstract value."""
+    try:
+        jax.typeof(leaf)
+    except (TypeError, AssertionError):
+        return False
+    return True
+
+
+class _Unbatching(EqualByKey):
+    """A tap function that calls ``run(args, kwargs)`` once per element of every batch the
+    values carry (vmap), in JAX's order, with the static leaves put back in place."""
+
+    __slots__ = ("in_tree", "static")
+
+    def bind_layout(self, in_tree, static: dict[int, Any]) -> None:
+        self.in_tree, self.static = in_tree, static
+
+    def _layout_key(self) -> tuple:
+        static = tuple((i, _hashable_or_id(v)) for i, v in self.static.items())
+        return (self.in_tree, static)
+
+    def __call__(self, dynamic: tuple, transforms: tuple) -> None:
+        batches = [params["batch_dims"] for name, params in transforms if name == "batch"]
+        for element in _unbatched(list(dynamic), batches):
+            merged, values = [], iter(map(_shown, element))
+            for i in range(self.in_tree.num_leaves):
+                merged.append(self.static[i] if i in self.static else next(values))
+            args, kwargs = tree_util.tree_unflatten(self.in_tree, merged)
+            self.run(args, kwargs)
+
+    def run(self, args: tuple, kwargs: dict) -> None:
+        raise NotImplementedError
+
+
+class _CallbackWithArgs(_Unbatching):
+    __slots__ = ("callback",)
+
+    def __init__(self, callback: Callable[..., None]) -> None:
+        self.callback = callback
+
+    def _key(self) -> tuple:
+        return (self.callback, self._layout_key())
+
+    def run(self, args: tuple, kwargs: dict) -> None:
+        self.callback(*args, **kwargs)
+
+
+class _Printer(_Unbatching):
+    __slots__ = ("fmt", "has_placeholders", "print_options")
+
+    def __init__(self, fmt: str, has_placeholders: bool, print_options: tuple) -> None:
+        self.fmt, self.has_placeholders, self.print_options = fmt, has_placeholders, print_options
+
+    def _key(self) -> tuple:
+        return (self.fmt, self.has_placeholders, repr(self.print_options), self._layout_key())
+
+    def run(self, args: tuple, kwargs: dict) -> None:
+        if self.has_placeholders:
+            with np.printoptions(**dict(self.print_options)):
+                message = self.fmt.format(*args, **kwargs)
+        else:
+            message = " ".join((self.fmt, *(str(a) for a in args)))
+        sys.stdout.write(message + "\n")
+
+
+class HostArray(np.ndarray):
+    """A tapped array as ``hostcallback.debug`` hands it over: a read-only numpy array (a view
+    of the record, no copy) that prints, formats and reprs as a CPU ``jax.Array`` does, so
+    ``print`` writes what ``jax.debug.print`` writes."""
+
+    def __repr__(self) -> str:
+        prefix, dtype = "Array(", f"dtype={self.dtype.name}"
+        value = self.view(np.ndarray)
+        if value.size == 0:
+            shown = f"[], shape={value.shape}"
+        else:
+            shown = np.array2string(value, prefix=prefix, suffix=",", separator=", ",
+                                    max_line_width=np.get_printoptions()["linewidth"])
+        last_line = len(shown) - shown.rfind("\n") + 1
+        separator = " " * len(prefix) if last_line + len(dtype) + 2 > \
+            np.get_printoptions()["linewidth"] else " "
+        return f"{prefix}{shown},{separator}{dtype})"
+
+    def __str__(self) -> str:
+        return str(self.view(np.ndarray))
+
+    def __format__(self, format_spec: str) -> str:
+        value = self.view(np.ndarray)
+        return format(value if value.ndim else value[()], format_spec)
+
+
+def _shown(leaf: Any) -> Any:
+    """A numpy leaf as a HostArray (a key array, already a jax.Array, stays as it is)."""
+    if isinstance(leaf, (np.ndarray, np.generic)):
+        return np.asarray(leaf).view(HostArray)
+    return leaf
+
+
+def _unbatched(leaves: list, batches: list[tuple]) -> Iterator[list]:
+    """Each batch element's leaves, in the order JAX's debug callbacks are called under nested
+    vmaps: ``batches`` lists each vmap's batch axis per leaf (None: not batched), the innermost
+    vmap first; its elements are the outermost loop, the outermost vmap's the innermost."""
+    if not batches:
+        yield leaves
+        return
+    *inner, outer = batches
+    size = next(leaf.shape[d] for leaf, d in zip(leaves, outer) if d is not None)
+    per_element = [list(_unbatched([leaf if d is None else np.take(leaf, i, axis=d)
+                                    for leaf, d in zip(leaves, outer)], inner))
+                   for i in range(size)]
+    for k in range(len(per_element[0]) if per_element else 0):
+        for element in per_element:
+            yield element[k]
+
+
+def _hashable_or_id(value: Any) -> Any:
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
+
+
+class _FormatChecker(string.Formatter):
+    """``jax.debug.print``'s check at trace time: every field has a value, and every value a
+    field (JAX's messages)."""
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        return ""
+
+    def check_unused_args(self, used_args, args, kwargs) -> None:
+        unused_args = [arg for i, arg in enumerate(args) if i not in used_args]
+        unused_kwargs = [k for k in kwargs if k not in used_args]
+        if unused_args:
+            raise ValueError(f"Unused positional arguments to `jax.debug.print`: {unused_args}")
+        if unused_kwargs:
+            raise ValueError(
+                f"Unused keyword arguments to `jax.debug.print`: {unused_kwargs}. You may be "
+                "passing an f-string (i.e, `f\"{x}\"`) into `jax.debug.print` and instead "
+                "should pass in a regular string.")

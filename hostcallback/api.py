@@ -477,12 +477,23 @@ def _traced(tree: Any) -> bool:
     return any(isinstance(leaf, jax.core.Tracer) for leaf in tree_util.tree_leaves(tree))
 
 
-def _check_callback_sharding(api: str, sharding: Any) -> None:
+def _checked_callback(api: str, callback: Any, sharding: Any, args: tuple,
+                      kwargs: dict) -> _CallWithArgs:
+    """pure_callback's and io_callback's arguments, checked at trace time; the callback as a
+    call consumer takes it."""
     if sharding is not None and len(getattr(sharding, "device_set", ())) != 1:
         raise NotImplementedError(
             f"{api}(sharding={sharding!r}): only None or a single-device sharding is "
             "supported; to pick which device of a sharded computation calls the host, use "
             "hostcallback.call(..., device_index=i)")
+    if not callable(callback):
+        raise TypeError(f"{api}() needs a callable, got {type(callback).__name__}")
+    _check_arity(callback, api, len(args), False,
+                 f"callback(*args, **kwargs) with {len(args)} argument(s)"
+                 + (f" and keyword(s) {', '.join(sorted(kwargs))}" if kwargs else ""),
+                 "a function that takes the arguments given after result_shape_dtypes",
+                 keywords=tuple(kwargs))
+    return _CallWithArgs(callback, as_jax_arrays=not _traced((args, kwargs)))
 
 
 def pure_callback(callback: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
@@ -496,15 +507,7 @@ def pure_callback(callback: Callable[..., Any], result_shape_dtypes: Any, *args:
     ``sharding`` may only be None or a single-device sharding of the device that runs the
     computation; hostcallback.call's ``device_index`` picks a device of a sharded computation.
     """
-    _check_callback_sharding("pure_callback", sharding)
-    if not callable(callback):
-        raise TypeError(f"pure_callback() needs a callable, got {type(callback).__name__}")
-    _check_arity(callback, "pure_callback", len(args), False,
-                 f"callback(*args, **kwargs) with {len(args)} argument(s)"
-                 + (f" and keyword(s) {', '.join(sorted(kwargs))}" if kwargs else ""),
-                 "a function that takes the arguments given after result_shape_dtypes",
-                 keywords=tuple(kwargs))
-    return _call(_CallWithArgs(callback, as_jax_arrays=not _traced((args, kwargs))),
+    return _call(_checked_callback("pure_callback", callback, sharding, args, kwargs),
                  (args, kwargs), result_shape=result_shape_dtypes,
                  callback_flavor=CallbackFlavor.PURE, vmap_method=vmap_method,
                  jax_api="pure_callback")
@@ -520,15 +523,7 @@ def io_callback(callback: Callable[..., Any], result_shape_dtypes: Any, *args: A
     computations. Under vmap it runs once per batch element (an ordered one cannot be vmapped);
     under grad it raises, as JAX's does. ``sharding``: as for pure_callback.
     """
-    _check_callback_sharding("io_callback", sharding)
-    if not callable(callback):
-        raise TypeError(f"io_callback() needs a callable, got {type(callback).__name__}")
-    _check_arity(callback, "io_callback", len(args), False,
-                 f"callback(*args, **kwargs) with {len(args)} argument(s)"
-                 + (f" and keyword(s) {', '.join(sorted(kwargs))}" if kwargs else ""),
-                 "a function that takes the arguments given after result_shape_dtypes",
-                 keywords=tuple(kwargs))
-    return _call(_CallWithArgs(callback, as_jax_arrays=not _traced((args, kwargs))),
+    return _call(_checked_callback("io_callback", callback, sharding, args, kwargs),
                  (args, kwargs), result_shape=result_shape_dtypes, ordered=bool(ordered),
                  callback_flavor=CallbackFlavor.IO_CALLBACK,
                  vmap_method=None if ordered else "sequential", jax_api="io_callback")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hmac
+import re
 import struct
 from typing import Any
 
@@ -144,6 +145,10 @@ class Refusal:
         end = start + REASON.unpack_from(data, ACK.size)[0]
         text = bytes(data[start:end]).decode("utf-8", "replace")
         if len(data) < end + REFUSAL_CODE.size:
+            # A collector older than the codes says a record is too large only in words.
+            too_large = _OLD_TOO_LARGE.search(text)
+            if too_large:
+                return cls(Reason.RECORD_TOO_LARGE, text, int(too_large.group(1)))
             return cls(Reason.NO_CODE, text)
         code, limit = REFUSAL_CODE.unpack_from(data, end)
         return cls(code, text, limit)
@@ -157,6 +162,10 @@ class Refusal:
                     f"hostcallback on this host to match it); it says: {self.text or '(nothing)'}")
         return f"the collector refused this sink: {self.text}" if self.text else \
             "the collector refused this sink"
+
+
+# How a collector older than the codes words RECORD_TOO_LARGE (the text above still is so worded).
+_OLD_TOO_LARGE = re.compile(r"a record of \d+ bytes is over the collector's limit of (\d+) bytes")
 
 
 class Refuse(Exception):

@@ -453,7 +453,8 @@ def _result_shape_keyword(result_shape: Any, kwargs: dict) -> Any:
 class _CallWithArgs(EqualByKey):
     """Adapts ``callback(*args, **kwargs)`` to a call consumer's single argument; equal for equal
     callbacks, so that retracing reuses the consumer id. With ``as_jax_arrays`` (a call made
-    outside jit, as JAX's callbacks are there) the arrays are handed over as jax.Arrays."""
+    outside any transformation) the arrays are handed over as jax.Arrays on a CPU device, and
+    the callback runs with that device as the default, as JAX's callbacks do."""
 
     __slots__ = ("__name__", "as_jax_arrays", "callback")
 
@@ -466,15 +467,14 @@ class _CallWithArgs(EqualByKey):
 
     def __call__(self, packed):
         args, kwargs = packed
-        if self.as_jax_arrays:
-            args, kwargs = tree_util.tree_map(
-                lambda leaf: jax.device_put(leaf) if isinstance(leaf, np.ndarray) else leaf,
-                (args, kwargs))
-        return self.callback(*args, **kwargs)
-
-
-def _traced(tree: Any) -> bool:
-    return any(isinstance(leaf, jax.core.Tracer) for leaf in tree_util.tree_leaves(tree))
+        if not self.as_jax_arrays:
+            return self.callback(*args, **kwargs)
+        cpu = jax.local_devices(backend="cpu")[0]
+        args, kwargs = tree_util.tree_map(
+            lambda leaf: jax.device_put(leaf, cpu) if isinstance(leaf, np.ndarray) else leaf,
+            (args, kwargs))
+        with jax.default_device(cpu):
+            return self.callback(*args, **kwargs)
 
 
 def _checked_callback(api: str, callback: Any, sharding: Any, args: tuple,
@@ -493,7 +493,7 @@ def _checked_callback(api: str, callback: Any, sharding: Any, args: tuple,
                  + (f" and keyword(s) {', '.join(sorted(kwargs))}" if kwargs else ""),
                  "a function that takes the arguments given after result_shape_dtypes",
                  keywords=tuple(kwargs))
-    return _CallWithArgs(callback, as_jax_arrays=not _traced((args, kwargs)))
+    return _CallWithArgs(callback, as_jax_arrays=not jx.is_tracing())
 
 
 def pure_callback(callback: Callable[..., Any], result_shape_dtypes: Any, *args: Any,

@@ -10,7 +10,6 @@ instead of on the device's own thread while it waits (the migration guide says w
 
 from __future__ import annotations
 
-import functools
 import string
 import sys
 from collections.abc import Callable, Iterator
@@ -41,8 +40,12 @@ def callback(callback: Callable[..., None] | None = None, *args: Any, ordered: b
         if args or kwargs:
             raise TypeError("debug_callback received unexpected arguments in the two-call form:"
                             f" {args=} {kwargs=}")
-        return functools.partial(_debug_callback, ordered=ordered, partitioned=partitioned)
-    _debug_callback(callback, *args, ordered=ordered, partitioned=partitioned, **kwargs)
+
+        def with_options(callback: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+            _debug_callback(callback, args, kwargs, ordered, partitioned)
+
+        return with_options
+    _debug_callback(callback, args, kwargs, ordered, partitioned)
     return None
 
 
@@ -55,14 +58,16 @@ def print(fmt: str | None = None, *args: Any, ordered: bool = False,  # noqa: A0
     string without fields prints itself followed by the values, separated by spaces. The
     two-call form ``print(ordered=True)("x={x}", x=x)`` works too.
     """
-    options = {"ordered": ordered, "partitioned": partitioned,
-               "skip_format_check": skip_format_check}
     if fmt is None:
         if args or kwargs:
             raise TypeError("debug_print received unexpected arguments in the two-call form:"
                             f" {args=} {kwargs=}")
-        return functools.partial(_debug_print, **options)
-    _debug_print(fmt, *args, **options, **kwargs)
+
+        def with_options(fmt: str, *args: Any, **kwargs: Any) -> None:
+            _debug_print(fmt, args, kwargs, ordered, partitioned, skip_format_check)
+
+        return with_options
+    _debug_print(fmt, args, kwargs, ordered, partitioned, skip_format_check)
     return None
 
 
@@ -74,8 +79,8 @@ def effects_barrier() -> None:
     lifecycle.barrier_wait()
 
 
-def _debug_callback(callback: Callable[..., None], *args: Any, ordered: bool,
-                    partitioned: bool, **kwargs: Any) -> None:
+def _debug_callback(callback: Callable[..., None], args: tuple, kwargs: dict, ordered: bool,
+                    partitioned: bool) -> None:
     if not callable(callback):
         raise TypeError("first argument to jax.debug.callback must be callable, but got an "
                         f"object of type {type(callback)}")
@@ -83,8 +88,8 @@ def _debug_callback(callback: Callable[..., None], *args: Any, ordered: bool,
                    name=getattr(callback, "__name__", "debug.callback"))
 
 
-def _debug_print(fmt: str, *args: Any, ordered: bool, partitioned: bool,
-                 skip_format_check: bool, **kwargs: Any) -> None:
+def _debug_print(fmt: str, args: tuple, kwargs: dict, ordered: bool, partitioned: bool,
+                 skip_format_check: bool) -> None:
     if not skip_format_check:
         _FormatChecker().format(fmt, *args, **kwargs)
     fields = [field for _, field, _, _ in string.Formatter().parse(fmt)] if fmt else []
@@ -101,8 +106,9 @@ def _tap_arguments(function: _Unbatching, args: tuple, kwargs: dict, ordered: bo
     static = {i: leaf for i, leaf in enumerate(leaves) if not _is_array_like(leaf)}
     dynamic = [leaf for i, leaf in enumerate(leaves) if i not in static]
     flat, treedef, key_impls = api._flatten(tuple(dynamic))
-    function.bind_layout(in_tree, static)
-    consumer = Consumer(func=function, treedef=treedef, name=name, key_impls=key_impls)
+    # Key arrays travel as their key data and become keys again per batch element.
+    function.bind_layout(in_tree, static, key_impls)
+    consumer = Consumer(func=function, treedef=treedef, name=name)
     api._tap(consumer, flat, 0, bool(ordered), CallbackFlavor.DEBUG,
              **api._tap_only_params(partitioned, "deliver"))
 
@@ -120,19 +126,20 @@ class _Unbatching(EqualByKey):
     """A tap function that calls ``run(args, kwargs)`` once per element of every batch the
     values carry (vmap), in JAX's order, with the static leaves put back in place."""
 
-    __slots__ = ("in_tree", "static")
+    __slots__ = ("in_tree", "key_impls", "static")
 
-    def bind_layout(self, in_tree, static: dict[int, Any]) -> None:
-        self.in_tree, self.static = in_tree, static
+    def bind_layout(self, in_tree, static: dict[int, Any], key_impls: tuple) -> None:
+        self.in_tree, self.static, self.key_impls = in_tree, static, key_impls
 
     def _layout_key(self) -> tuple:
         static = tuple((i, _hashable_or_id(v)) for i, v in self.static.items())
-        return (self.in_tree, static)
+        return (self.in_tree, static, self.key_impls)
 
     def __call__(self, dynamic: tuple, transforms: tuple) -> None:
         batches = [params["batch_dims"] for name, params in transforms if name == "batch"]
+        impls = self.key_impls or (None,) * len(dynamic)
         for element in _unbatched(list(dynamic), batches):
-            merged, values = [], iter(map(_shown, element))
+            merged, values = [], iter(map(_shown, element, impls))
             for i in range(self.in_tree.num_leaves):
                 merged.append(self.static[i] if i in self.static else next(values))
             args, kwargs = tree_util.tree_unflatten(self.in_tree, merged)
@@ -199,11 +206,11 @@ class HostArray(np.ndarray):
         return format(value if value.ndim else value[()], format_spec)
 
 
-def _shown(leaf: Any) -> Any:
-    """A numpy leaf as a HostArray (a key array, already a jax.Array, stays as it is)."""
-    if isinstance(leaf, (np.ndarray, np.generic)):
-        return np.asarray(leaf).view(HostArray)
-    return leaf
+def _shown(leaf: np.ndarray, key_impl: str | None) -> Any:
+    """A tapped leaf as the callback gets it: a HostArray, or a key array again."""
+    if key_impl is not None:
+        return jax.random.wrap_key_data(np.ascontiguousarray(leaf), impl=key_impl)
+    return leaf.view(HostArray)
 
 
 def _unbatched(leaves: list, batches: list[tuple]) -> Iterator[list]:
@@ -214,8 +221,8 @@ def _unbatched(leaves: list, batches: list[tuple]) -> Iterator[list]:
         yield leaves
         return
     *inner, outer = batches
-    size = next(leaf.shape[d] for leaf, d in zip(leaves, outer) if d is not None)
-    per_element = [list(_unbatched([leaf if d is None else np.take(leaf, i, axis=d)
+    size = next((leaf.shape[d] for leaf, d in zip(leaves, outer) if d is not None), 1)
+    per_element = [list(_unbatched([leaf if d is None else leaf[(slice(None),) * d + (i, ...)]
                                     for leaf, d in zip(leaves, outer)], inner))
                    for i in range(size)]
     for k in range(len(per_element[0]) if per_element else 0):

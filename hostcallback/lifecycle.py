@@ -100,8 +100,8 @@ class Lifecycle:
     def ensure_started(self) -> None:
         """Starts one receiver per local device, once; refuses after stop_outfeed_receiver()."""
         if self._pool.start():
+            atexit.register(self._at_exit)  # first: exit must deliver even if the next fails
             self._dispatcher.start()
-            atexit.register(self._at_exit)
 
     # ---- barrier ----
 

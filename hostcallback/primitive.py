@@ -177,6 +177,12 @@ ad.primitive_jvps[outside_call_p] = _jvp_rule
 def _transpose_rule(cotangents, *args, consumer_id, **params):
     """A tap on tangent values (in a custom_jvp rule) runs backwards: it taps the cotangents,
     with ("transpose", {}) in its transforms, and passes them on, as legacy host_callback did."""
+    jax_api = registry.get(consumer_id).jax_api
+    if jax_api == "pure_callback":
+        raise ValueError("Pure callbacks do not support transpose. Please use `jax.custom_vjp` "
+                         "to use callbacks while taking gradients.")
+    if jax_api == "io_callback":
+        raise ValueError("IO callbacks do not support transpose.")
     if params["result_avals"] is not None:
         raise TypeError("hostcallback.call cannot be transposed; see \"Taps and calls under JAX "
                         "transformations\" in the documentation")

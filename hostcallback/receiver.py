@@ -141,7 +141,8 @@ class ReceiverPool:
         return bool(self._dead)
 
     def mark_stopped(self) -> None:
-        """stop_outfeed_receiver() before any receiver started: later taps are refused too."""
+        """A stop while no receiver runs: receivers stopped before stay stopped (later taps are
+        refused); if none ever started, nothing changes and a later tap starts them."""
         self._stopped = self._stopped or bool(self._threads)
 
     def close(self, deadline: float | None) -> int:

@@ -150,7 +150,8 @@ class ConsumerRegistry:
         key = (_freeze(consumer.func), consumer.treedef, _freeze(consumer.transforms),
                consumer.with_device, _freeze(consumer.metadata), consumer.name,
                consumer.result_treedef, consumer.result_avals,
-               _freeze(consumer.per_device_transforms), consumer.key_impls, consumer.x64)
+               _freeze(consumer.per_device_transforms), consumer.key_impls, consumer.x64,
+               consumer.jax_api)
         with self._lock:
             found = self._by_key.get(key)
             if found is not None:

@@ -13,7 +13,7 @@ from helpers import free_port, run_python, wait_until
 
 import hostcallback as hcb
 from hostcallback.consumer import SocketSink, TapRecord, tap_to
-from hostcallback.consumer.protocol import ACK, REASON, REFUSED, Reason, Refusal
+from hostcallback.consumer.protocol import ACK, REASON, REFUSAL_CODE, REFUSED, Reason, Refusal
 
 
 @pytest.mark.timeout(20)  # before the fix this barrier waited the sink's 30 s
@@ -174,8 +174,11 @@ def test_a_refusal_holds_its_text_where_older_senders_read_it_then_its_code():
     assert Refusal.size_of(data) == len(data)
     assert Refusal.unpack(data) == refusal
     assert (refusal.reason, refusal.limit) == (Reason.RECORD_TOO_LARGE, 1000)
-    assert Refusal.unpack(data[:-1]).reason is Reason.NO_CODE  # cut short: the text still reads
-    assert Refusal.unpack(data[:-1]).text == text.decode()
+    without_code = data[:ACK.size + REASON.size + len(text)]  # as a collector before the codes
+    assert Refusal.unpack(without_code) == Refusal(Reason.RECORD_TOO_LARGE, text.decode(), 1000)
+    other = Refusal.of(Reason.TOKEN).pack()[:-REFUSAL_CODE.size]
+    assert Refusal.unpack(other).reason is Reason.NO_CODE  # its text still reads
+    assert Refusal.unpack(other).text == Refusal.of(Reason.TOKEN).text
 
 
 def _refuse_with_a_future_code(connection, index):

@@ -87,6 +87,40 @@ def test_the_two_call_form_takes_the_options_first(transport):
     assert_same_calls(program, X)
 
 
+def test_in_the_two_call_form_keywords_named_like_options_reach_the_callback(transport):
+    def program(debug, record):
+        return jax.jit(lambda x: debug.callback()(record, x, ordered="yes", partitioned=x[0]))
+
+    assert_same_calls(program, X)
+
+
+@pytest.mark.parametrize("args", [(), ("only", "static", None)], ids=["none", "static only"])
+def test_a_callback_without_arrays_is_called_once(transport, args):
+    def program(debug, record):
+        return jax.jit(lambda x: (debug.callback(record, *args), x)[1])
+
+    assert_same_calls(program, X)
+
+
+def test_under_vmap_arrays_stay_read_only_views(transport):
+    seen = []
+    jax.vmap(lambda x: hcb_debug.callback(lambda v: seen.append(v), x))(X)
+    hcb_debug.effects_barrier()
+    assert len(seen) == 2 and all(not v.flags.writeable and v.shape == (3,) for v in seen)
+
+
+def test_key_arrays_arrive_as_key_arrays_also_per_batch_element(transport):
+    keys = jax.random.split(jax.random.key(0), 3)
+
+    def program(debug, record):
+        def f(k):
+            debug.callback(lambda key: record(jax.random.key_data(key)), k)
+            return k
+        return lambda ks: (jax.jit(f)(ks), jax.vmap(f)(ks))
+
+    assert_same_calls(program, keys)
+
+
 def test_the_callbacks_return_value_is_ignored(transport):
     def program(debug, record):
         return jax.jit(lambda x: debug.callback(lambda v: record(v) or "ignored", x))
@@ -245,7 +279,7 @@ def test_print_without_fields_writes_the_values_after_the_text(transport, capsys
         return jax.jit(lambda x: debug.print("values:", x, x[0], skip_format_check=True))
 
     theirs, ours = printed(capsys, program, X)
-    assert ours == theirs
+    assert ours == theirs and ours.startswith("values: [[0. 1. 2.]")
 
 
 def test_print_under_vmap_prints_each_element(transport, capsys):
@@ -261,7 +295,7 @@ def test_print_two_call_form(transport, capsys):
         return jax.jit(lambda x: debug.print(partitioned=False)("x={x}", x=x))
 
     theirs, ours = printed(capsys, program, X)
-    assert ours == theirs
+    assert ours == theirs and ours.startswith("x=[[0. 1. 2.]")
 
 
 @pytest.mark.parametrize("fmt,args,kwargs,message", [

@@ -88,6 +88,22 @@ def test_outside_jit_the_callback_gets_jax_arrays(transport, api):
     assert kinds["ours"] == kinds["jax"] == (True, 1.5)
 
 
+def test_pure_callback_and_io_callback_of_one_function_keep_their_own_rules(transport):
+    def host(v):
+        return v
+
+    jax.jit(lambda x: hcb.pure_callback(host, SCALAR, x))(1.0)  # registered first
+    with pytest.raises(ValueError, match="IO callbacks do not support JVP"):
+        jax.grad(lambda x: hcb.io_callback(host, SCALAR, x))(1.0)
+
+
+def test_inside_jit_arguments_that_are_not_traced_still_arrive_as_numpy(transport):
+    got = []
+    jax.jit(lambda: hcb.io_callback(lambda v: got.append(v) or v, SCALAR, np.float32(2.0)))()
+    hcb.barrier_wait()
+    assert isinstance(got[0], np.ndarray) and float(got[0]) == 2.0
+
+
 ERRORS = [
     ("io_callback under grad",
      lambda cb: jax.grad(lambda x: cb(lambda v: v, SCALAR, x))(1.0), IO_CALLBACKS),
@@ -97,6 +113,12 @@ ERRORS = [
      lambda cb: jax.grad(lambda x: cb(lambda v: v, SCALAR, x))(1.0), PURE_CALLBACKS),
     ("pure_callback under vmap without vmap_method",
      lambda cb: jax.vmap(lambda x: cb(lambda v: v, SCALAR, x))(X), PURE_CALLBACKS),
+    ("io_callback transposed",
+     lambda cb: jax.linear_transpose(lambda x: cb(lambda v: v, SCALAR, x), 1.0)(1.0),
+     IO_CALLBACKS),
+    ("pure_callback transposed",
+     lambda cb: jax.linear_transpose(lambda x: cb(lambda v: v, SCALAR, x), 1.0)(1.0),
+     PURE_CALLBACKS),
 ]
 
 

@@ -1,0 +1,156 @@
+"""What a callback costs the computation: JAX's jax.debug.callback, jax.debug.print and
+io_callback against hostcallback.debug.callback, hostcallback.debug.print and
+hostcallback.io_callback (native and callback transports), the same loop in one run.
+
+Workloads, each a fori_loop whose body calls back with its carry every step:
+  small:   4-byte float32, jit on one device (--steps)
+  large:   4 MiB float32, jit on one device (--large-steps); callbacks only, no print
+  pmap:    4-byte float32 on each of 4 devices (--steps / 4 steps)
+  sharded: a jit over 4 devices of a sharded 4-element float32 (--steps / 4 steps); the callback
+           gets the whole value once a step
+Variants run in interleaved rounds (best of --repeats), so a loaded machine slows all alike.
+
+  us/call   (time until the computation finished - the loop without callbacks) / calls: what a
+            call costs the device
+  vs JAX    JAX's own function's us/call divided by this one's (higher is better)
+
+Printing goes to an in-memory stream (sys.stdout is swapped for the measured runs).
+
+Usage: python bench/jax_api_overhead.py [--steps N] [--large-steps N] [--repeats R]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=4").strip()
+
+import argparse
+import contextlib
+import io
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import io_callback as jax_io_callback
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import hostcallback as hcb
+
+SCALAR = jax.ShapeDtypeStruct((), jnp.float32)
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, *args) -> None:
+        self.calls += 1
+
+
+def body_for(variant: str, counter: Counter, shape: tuple):
+    """The loop body: calls back with the carry through ``variant``, returns the next carry."""
+    api, _, _ = variant.partition(" ")
+    ours = variant.endswith("(native)") or variant.endswith("(callback)")
+    debug = hcb.debug if ours else jax.debug
+    if api == "none":
+        return lambda c: c + 1
+    if api == "debug.callback":
+        return lambda c: (debug.callback(counter, c), c + 1)[1]
+    if api == "debug.print":
+        return lambda c: (debug.print("{}", c), c + 1)[1]
+    if api == "io_callback":
+        io_callback = hcb.io_callback if ours else jax_io_callback
+        out = jax.ShapeDtypeStruct(shape, jnp.float32)
+        return lambda c: io_callback(lambda v: counter(v) or np.asarray(v) + 1, out, c)
+    raise ValueError(variant)
+
+
+def transport_of(variant: str):
+    for transport in ("native", "callback"):
+        if variant.endswith(f"({transport})"):
+            return hcb.config.override(transport=transport)
+    return contextlib.nullcontext()
+
+
+def wait_for_delivery() -> None:
+    jax.effects_barrier()
+    hcb.barrier_wait()
+
+
+class Run:
+    """One variant's compiled loop, run round by round beside the others."""
+
+    def __init__(self, variant: str, workload: str, steps: int, shape: tuple) -> None:
+        self.variant, self.counter, self.best = variant, Counter(), float("inf")
+        with transport_of(variant):
+            body = body_for(variant, self.counter, shape)
+            loop = lambda x: lax.fori_loop(0, steps, lambda i, c: body(c), x)  # noqa: E731
+            if workload == "pmap":
+                self.loop, self.x = jax.pmap(loop), jnp.zeros((4, *shape), jnp.float32)
+            elif workload == "sharded":
+                mesh = jax.make_mesh((4,), ("i",))
+                self.x = jax.device_put(jnp.zeros((4,), jnp.float32), NamedSharding(mesh, P("i")))
+                self.loop = jax.jit(loop)
+            else:
+                self.loop, self.x = jax.jit(loop), jnp.zeros(shape, jnp.float32)
+            self.measure()  # compile and warm up
+            self.best = float("inf")
+
+    def measure(self) -> None:
+        with transport_of(self.variant), contextlib.redirect_stdout(io.StringIO()):
+            start = time.perf_counter()
+            self.loop(self.x).block_until_ready()
+            self.best = min(self.best, time.perf_counter() - start)
+            wait_for_delivery()
+
+
+def run_workload(name: str, variants: list[str], steps: int, shape: tuple, repeats: int,
+                 calls_per_step: int) -> dict:
+    runs = [Run(v, name, steps, shape) for v in ["none", *variants]]
+    for _ in range(repeats):
+        for run in runs:
+            run.measure()
+    base = runs[0].best
+    cost = {r.variant: max(r.best - base, 1e-12) / (steps * calls_per_step) * 1e6
+            for r in runs[1:]}
+    size = int(np.prod(shape)) * 4
+    print(f"\n{name}: {steps:,} steps, {size:,} bytes a call, {calls_per_step} call(s) a step "
+          f"(loop without callbacks: {base * 1e3:.1f} ms)")
+    print(f"{'variant':<30}{'us/call':>10}{'vs JAX':>10}")
+    for variant, us in cost.items():
+        theirs = cost.get(variant.split(" ")[0] + " (JAX)")
+        ratio = "" if theirs is None or variant.endswith("(JAX)") else f"{theirs / us:.1f}x"
+        print(f"{variant:<30}{us:>10.3f}{ratio:>10}")
+    return cost
+
+
+def variants(apis: list[str]) -> list[str]:
+    return [f"{api} {who}" for api in apis for who in ("(JAX)", "(native)", "(callback)")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20_000)
+    parser.add_argument("--large-steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(f"jax {jax.__version__}, Python {sys.version.split()[0]}, load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    every = ["debug.callback", "debug.print", "io_callback"]
+    run_workload("small", variants(every), args.steps, (), args.repeats, 1)
+    run_workload("large", variants(["debug.callback", "io_callback"]), args.large_steps,
+                 (1 << 20,), args.repeats, 1)
+    run_workload("pmap", variants(["debug.callback", "debug.print"]), args.steps // 4, (),
+                 args.repeats, 4)
+    run_workload("sharded", variants(["debug.callback", "debug.print"]), args.steps // 4, (),
+                 args.repeats, 1)
+
+
+if __name__ == "__main__":
+    main()

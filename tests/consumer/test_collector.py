@@ -1,5 +1,9 @@
 """The collector on a shared network: token, limits, exactly once across reconnects and restarts,
-bad clients, and the `collect` command."""
+bad clients, and the `collect` command.
+
+Longer than the other test files on purpose: each test needs a live collector and senders
+(the fixtures at the top), and splitting them would split those fixtures between files.
+"""
 
 import asyncio
 import logging

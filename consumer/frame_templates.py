@@ -7,7 +7,7 @@ holes; ``frame_records`` in the compiled core then fills the holes for every rec
 A template is used only after the frame it gives for a real record was compared, byte for byte,
 with the general encoder's frame of that record: a value the pieces cannot describe (custom
 pytree nodes written by their repr, a step that is not an integer) gets no template, and its
-records are framed in Python as before. This module never decides what a record holds.
+records are framed in Python, one by one. This module never decides what a record holds.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def make_template(batch: RecordBatch, fields: dict[str, Any]) -> FrameTemplate |
     try:
         return _checked_template(batch, fields)
     except Exception:  # noqa: BLE001 - e.g. a pytree node that cannot hold the hole markers:
-        return None  # its records are framed in Python, as before templates
+        return None  # its records are framed in Python, by the general encoder
 
 
 def _checked_template(batch: RecordBatch, fields: dict[str, Any]) -> FrameTemplate | None:

@@ -81,7 +81,7 @@ class RecordFramer:
         fields = TapRecord(name=name, value=None, metadata=metadata, process=process,
                            host=host).to_map()
         varying = tuple(key for key in fields if key in _VARYING_FIELDS)
-        if varying != _VARYING_FIELDS:  # to_map changed: _VARYING_FIELDS must follow it
+        if varying != _VARYING_FIELDS:  # _VARYING_FIELDS must follow to_map's order
             raise AssertionError(f"TapRecord.to_map orders its fields {varying}")
         packer = msgpack.Packer(use_bin_type=True)
         constants = [packer.pack_map_header(len(fields))]

@@ -8,7 +8,7 @@ the other ml_dtypes included, round-trips bit for bit.
 
 Readers keep every intact record: after damage they resynchronise at the next sync marker and
 report the skipped byte range; a torn last record (a crash mid-write) is reported the same way.
-Version-1 streams (plain msgpack maps, no frames) still read. This module never touches JAX.
+Version-1 streams (plain msgpack maps, no frames) are read too. This module never touches JAX.
 
 Beside it: ``record_framer`` (a tap site's frames packed fast, byte for byte these), and
 ``stream_files`` (a stream's files: reading them whole, rotated, or following a growing one).

@@ -73,7 +73,7 @@ def emit_python_callback(ctx, callback, token, operands, operand_avals, result_a
 split_list = util.split_list
 new_source_info = source_info_util.new_source_info
 
-# What patches.py changes, and what the rules look up only when they run, must be there now:
+# What patches.py changes, and what the rules look up only when they run, must exist at import:
 # checked before anything is changed, so a JAX that lacks one falls back to the portable mode.
 for _module, _name in ((pxla, "_cached_lowering_to_hlo"), (_mlir, "_lowerings"),
                        (pe, "dce_rules"), (pe, "partial_eval_jaxpr_custom_rules"),

@@ -31,7 +31,7 @@ uint8_t* BufferPool::Get(size_t size, size_t* capacity, bool* outside) {
       found->second.pop_back();
       // The next buffer's lines were last read by a receiver on another core: fetch them
       // now, so that the next tap does not wait for them (a read prefetch on baseline x86-64,
-      // which has no write hint; it still took most of that wait off a small tap).
+      // which has no write hint; it still takes most of that wait off a small tap).
       if (!found->second.empty() && wanted <= kPrefetchBytes) {
         for (size_t i = 0; i < wanted; i += 64) __builtin_prefetch(found->second.back() + i, 1);
       }

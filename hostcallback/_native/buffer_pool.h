@@ -33,8 +33,8 @@ struct PoolStats {
 
 // Recycles record buffers. A fresh multi-megabyte allocation is a new mapping whose pages fault
 // in on first touch, which costs more than the copy itself; a small one from aligned_alloc takes
-// the allocator's arena lock against the receiver freeing the last batch, which cost a small tap
-// half its time. Buffers of 64 KiB and up come in size classes (four per power of two, so at
+// the allocator's arena lock against the receiver freeing the last batch, which costs a small
+// tap half its time. Buffers of 64 KiB and up come in size classes (four per power of two, so at
 // most 25 % slack), smaller ones by their exact size (a multiple of 64; free ones take at most
 // an eighth of the allowance), and a buffer is kept while the pooled buffers in use and free
 // together stay within one budget plus one drained batch: what the queue and a receiver's batch

@@ -27,8 +27,8 @@ struct QueueStats {
 };
 
 // The records of one queue, oldest first, in a circular buffer that grows by doubling: a
-// stream of taps allocates nothing per record (a std::deque took a block from malloc every 16
-// records, which the receiver's thread then freed). Once empty, a ring that a backlog grew
+// stream of taps allocates nothing per record (a std::deque takes a block from malloc every 16
+// records, for the receiver's thread to free). Once empty, a ring that a backlog grew
 // past kKeptSlots gives all its memory back (TakeSpare).
 class RecordRing {
  public:

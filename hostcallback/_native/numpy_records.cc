@@ -77,8 +77,8 @@ int64_t ByteCount(int64_t count, size_t itemsize) {
 // Takes a drained record's tuple out of the cycle collector's lists. Such a tuple holds only
 // ints, a str or numpy arrays of numbers, none of which can refer back to it, so it can never be
 // part of a cycle; CPython itself untracks such tuples, but only when a collection first walks
-// them. Left tracked, a batch of 1,024 records made the collector walk and promote 2,048
-// objects, and the full collections that promotion sets off took as long as the receiver's own
+// them. Left tracked, a batch of 1,024 records makes the collector walk and promote 2,048
+// objects, and the full collections that promotion sets off take as long as the receiver's own
 // Python: a fifth of its time.
 void UntrackFromGc(PyObject* tuple) {
   if (PyObject_GC_IsTracked(tuple)) PyObject_GC_UnTrack(tuple);

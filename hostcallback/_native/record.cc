@@ -76,7 +76,7 @@ void CopyArray(uint8_t* dst, const uint8_t* src, size_t bytes, ffi::ThreadPool* 
 
 // Zeroes n bytes (a multiple of kAlignment) a line at a time: at -O3 a fixed-size memset
 // compiles to a few vector stores, where a variable one (or any, at -Os: see CMakeLists.txt) is
-// a `rep stos` whose start-up cost a small tap a quarter of its enqueue.
+// a `rep stos` whose start-up costs a small tap a quarter of its enqueue.
 void ZeroLines(uint8_t* at, size_t n) {
   for (size_t i = 0; i < n; i += kAlignment) std::memset(at + i, 0, kAlignment);
 }

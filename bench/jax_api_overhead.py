@@ -17,6 +17,7 @@ Variants run in interleaved rounds (best of --repeats), so a loaded machine slow
 Printing goes to an in-memory stream (sys.stdout is swapped for the measured runs).
 
 Usage: python bench/jax_api_overhead.py [--steps N] [--large-steps N] [--repeats R]
+                                        [--workloads small,large,pmap,sharded]
 """
 
 from __future__ import annotations
@@ -130,6 +131,9 @@ def run_workload(name: str, variants: list[str], steps: int, shape: tuple, repea
     return cost
 
 
+WORKLOADS = {"small", "large", "pmap", "sharded"}
+
+
 def variants(apis: list[str]) -> list[str]:
     return [f"{api} {who}" for api in apis for who in ("(JAX)", "(native)", "(callback)")]
 
@@ -139,17 +143,26 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20_000)
     parser.add_argument("--large-steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--workloads", default="small,large,pmap,sharded",
+                        help="which workloads to run, comma-separated (default: all four)")
     args = parser.parse_args()
+    chosen = set(args.workloads.split(","))
+    if chosen - WORKLOADS:
+        parser.error(f"unknown workloads {sorted(chosen - WORKLOADS)}; known: {sorted(WORKLOADS)}")
     print(f"jax {jax.__version__}, Python {sys.version.split()[0]}, load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     every = ["debug.callback", "debug.print", "io_callback"]
-    run_workload("small", variants(every), args.steps, (), args.repeats, 1)
-    run_workload("large", variants(["debug.callback", "io_callback"]), args.large_steps,
-                 (1 << 20,), args.repeats, 1)
-    run_workload("pmap", variants(["debug.callback", "debug.print"]), args.steps // 4, (),
-                 args.repeats, 4)
-    run_workload("sharded", variants(["debug.callback", "debug.print"]), args.steps // 4, (),
-                 args.repeats, 1)
+    if "small" in chosen:
+        run_workload("small", variants(every), args.steps, (), args.repeats, 1)
+    if "large" in chosen:
+        run_workload("large", variants(["debug.callback", "io_callback"]), args.large_steps,
+                     (1 << 20,), args.repeats, 1)
+    if "pmap" in chosen:
+        run_workload("pmap", variants(["debug.callback", "debug.print"]), args.steps // 4, (),
+                     args.repeats, 4)
+    if "sharded" in chosen:
+        run_workload("sharded", variants(["debug.callback", "debug.print"]), args.steps // 4, (),
+                     args.repeats, 1)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from hostcallback import _jax as jx
 from hostcallback import wire
-from hostcallback._jax import hlo, mlir
+from hostcallback._jax import hlo, ir, mlir
 from hostcallback.errors import describe_error
 from hostcallback._native import outfeed
 
@@ -47,11 +47,16 @@ def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
                             platform=device.platform)
         return ()
 
-    partition = hlo.partition_id()
-    callback_ctx = dataclasses.replace(ctx, avals_in=[_PARTITION_AVAL, *ctx.avals_in], avals_out=[])
-    _, token_out, _ = jx.emit_python_callback(
-        callback_ctx, enqueue_on_host, token, [partition, *args], callback_ctx.avals_in, [],
-        has_side_effect=True, returns_token=True, sharding=op_sharding)
+    def emit():
+        partition = hlo.partition_id()
+        callback_ctx = dataclasses.replace(ctx, avals_in=[_PARTITION_AVAL, *ctx.avals_in],
+                                           avals_out=[])
+        _, token_out, _ = jx.emit_python_callback(
+            callback_ctx, enqueue_on_host, token, [partition, *args], callback_ctx.avals_in, [],
+            has_side_effect=True, returns_token=True, sharding=op_sharding)
+        return [token_out]
+
+    (token_out,) = _on_emitting_partition(ctx, emit_device, [], emit, lambda: [token])
     return token_out
 
 
@@ -92,13 +97,58 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, r
     if isinstance(op_sharding, jx.SdyArrayList) and result_avals:
         # With results, JAX adds the token's annotation itself.
         op_sharding = jx.SdyArrayList(op_sharding.shardings[1:])
-    partition = hlo.partition_id()
-    callback_ctx = dataclasses.replace(ctx, avals_in=[_PARTITION_AVAL, *ctx.avals_in],
-                                       avals_out=list(result_avals))
-    results, token_out, _ = jx.emit_python_callback(
-        callback_ctx, call_on_host, token, [partition, *args], callback_ctx.avals_in,
-        list(result_avals), has_side_effect=True, returns_token=True, sharding=op_sharding)
-    return token_out, list(results)
+
+    def emit():
+        partition = hlo.partition_id()
+        callback_ctx = dataclasses.replace(ctx, avals_in=[_PARTITION_AVAL, *ctx.avals_in],
+                                           avals_out=list(result_avals))
+        results, token_out, _ = jx.emit_python_callback(
+            callback_ctx, call_on_host, token, [partition, *args], callback_ctx.avals_in,
+            list(result_avals), has_side_effect=True, returns_token=True, sharding=op_sharding)
+        return [token_out, *results]
+
+    def not_calling():  # zeros and a clear failure flag, as call_on_host returns there
+        return [token, *(_zeros(aval) for aval in result_avals)]
+
+    token_out, *results = _on_emitting_partition(ctx, emit_device, list(result_avals), emit,
+                                                  not_calling)
+    return token_out, results
+
+
+def _ir_type(aval) -> ir.Type:
+    return ir.RankedTensorType.get(aval.shape, mlir.dtype_to_ir_type(np.dtype(aval.dtype)))
+
+
+def _zeros(aval):
+    zero = mlir.ir_constant(np.zeros((), aval.dtype))
+    return hlo.broadcast_in_dim(_ir_type(aval), zero, [])
+
+
+def _on_emitting_partition(ctx, emit_device: int, result_avals: list, emit: Callable[[], list],
+                           otherwise: Callable[[], list]) -> list:
+    """[token, *results]: emit()'s on the device that emits, otherwise()'s on the others.
+
+    Where every device of a shard_map region runs this op but one device emits (a whole-value tap
+    or call under a sharded jit), only that device's Python callback runs, as only one of JAX's
+    own runs there: the others take the other branch of a conditional and never reach Python.
+    """
+    axis_context = ctx.module_context.axis_context
+    if emit_device == outfeed.ALL_DEVICES or not isinstance(axis_context, jx.SPMDAxisContext):
+        return emit()
+    devices = tuple(axis_context.mesh.devices.flat)
+    partition = next((i for i, d in enumerate(devices) if d.id == emit_device), None)
+    if partition is None:  # the emitting device belongs to another process
+        return otherwise()
+    emits = hlo.compare(hlo.partition_id(), mlir.ir_constant(np.uint32(partition)),
+                        hlo.ComparisonDirectionAttr.get("EQ"),
+                        compare_type=hlo.ComparisonTypeAttr.get("UNSIGNED"))
+    index = hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)), emits)
+    types = [mlir.token_type(), *(_ir_type(a) for a in result_avals)]
+    case_op = hlo.CaseOp(types, index=index, num_branches=2)
+    for region, branch in zip(case_op.regions, (otherwise, emit)):  # index 1: the emitting one
+        with ir.InsertionPoint(region.blocks.append()):
+            hlo.return_(branch())
+    return list(case_op.results)
 
 
 def _report_shared_timeout(reason: str) -> None:
@@ -126,11 +176,22 @@ def check(ctx, failed, values, *, consumer_id: int, op_sharding):
         return (failed, *values)
 
     avals = list(ctx.avals_in)
-    callback_ctx = dataclasses.replace(ctx, avals_out=avals)
-    results, _, _ = jx.emit_python_callback(
-        callback_ctx, check_on_host, None, [failed, *values], avals, avals,
-        has_side_effect=True, returns_token=False, sharding=op_sharding)
-    return list(results)
+
+    def fail():
+        callback_ctx = dataclasses.replace(ctx, avals_out=avals)
+        results, _, _ = jx.emit_python_callback(
+            callback_ctx, check_on_host, None, [failed, *values], avals, avals,
+            has_side_effect=True, returns_token=False, sharding=op_sharding)
+        return list(results)
+
+    # Python runs only where the call failed (a flag of 1 or more: an index past the last branch
+    # runs the last one); a step that passes stays in XLA.
+    index = hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)), failed)
+    case_op = hlo.CaseOp([_ir_type(a) for a in avals], index=index, num_branches=2)
+    for region, branch in zip(case_op.regions, (lambda: [failed, *values], fail)):
+        with ir.InsertionPoint(region.blocks.append()):
+            hlo.return_(branch())
+    return list(case_op.results)
 
 
 def register_shard_callback(ctx) -> int:

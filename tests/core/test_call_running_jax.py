@@ -91,11 +91,14 @@ def test_under_a_sharded_jit_back_to_back_it_never_hangs(transport):
     """The function's work queues on device 0 behind the next step, which waits for this one.
     The call's timeout then fails the step saying why, and says so on stderr at once; or XLA's
     CPU client leaves one device's launch waiting for a slot while the others wait for it in a
-    collective, before any call, and XLA ends the process after its 40 s rendezvous limit,
-    saying so (JAX's own pure_callback ends that way every time); either way within the
-    deadline."""
+    collective, before any call, and XLA ends the process after its rendezvous limit (40 s,
+    here 15 s), saying so (JAX's own pure_callback ends that way every time); either way within
+    the deadline."""
+    xla_flags = ("--xla_force_host_platform_device_count=4 "
+                 "--xla_cpu_collective_call_terminate_timeout_seconds=15")
     result = run_python(EVOX_STEPS.format(scenario="sharded_jit", timeout=5.0, blocked=False),
-                        devices=4, timeout=150, env={"HOSTCALLBACK_TRANSPORT": transport})
+                        devices=4, timeout=150,
+                        env={"HOSTCALLBACK_TRANSPORT": transport, "XLA_FLAGS": xla_flags})
     if result.returncode == 0:
         if result.stdout.startswith("ok"):
             return

@@ -20,6 +20,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from hostcallback import _jax as jx
+from hostcallback import handover
 from hostcallback import transport, wire
 from hostcallback._native import outfeed
 from hostcallback.flavors import PURE_FLAVOR
@@ -93,9 +94,8 @@ def _call(leaves, consumer_id, transport_name, result_avals, timeout_s, flavor, 
 
     def call_on_host(*arrays):
         device = host_device()
-        answers = outfeed.call(device.id, consumer_id,
-                               [wire.as_leaf(np.asarray(a)) for a in arrays], timeout_s,
-                               platform=device.platform)
+        answers = handover.call(device.id, consumer_id, [np.asarray(a) for a in arrays],
+                                timeout_s, platform=device.platform)
         return tuple(np.frombuffer(answer, dtype=s.dtype).reshape(s.shape)
                      for answer, s in zip(answers, shapes))
 

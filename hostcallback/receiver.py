@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from hostcallback import batches, config, results, wire
+from hostcallback import batches, config, handover, results, wire
 from hostcallback._native import outfeed
 from hostcallback.errors import describe_error
 from hostcallback.failures import CallbackException, Failures, without_locals
@@ -271,10 +271,15 @@ class ReceiverPool:
                     consumer.tap_batch(batches.RecordBatch(batch, start, index, consumer, device))
                     current.record = None
                 elif consumer.is_call:
+                    handed_over = record[FLAGS] & wire.FLAG_HANDED_OVER_IN_PYTHON
                     current.record = record
-                    result = consumer.call(record[LEAVES], device)
+                    result = consumer.call(handover.arguments(record[LEAVES]) if handed_over
+                                           else record[LEAVES], device)
                     current.record = None
-                    if record[FLAGS] & wire.FLAG_EXPECTS_RESPONSE:
+                    if handed_over:
+                        handover.respond(key[0], key[1], record[SEQUENCE],
+                                        results.result_leaves(consumer, result))
+                    elif record[FLAGS] & wire.FLAG_EXPECTS_RESPONSE:
                         outfeed.respond(key[1], record[SEQUENCE],
                                         results.result_leaves(consumer, result),
                                         platform=key[0])

@@ -56,6 +56,7 @@ WIRE_FIXED_HEADER_BYTES: Final = 48
 WIRE_DESCRIPTOR_BYTES: Final = 16
 WIRE_MAX_NDIM: Final = 64
 FLAG_EXPECTS_RESPONSE: Final = 1
+FLAG_HANDED_OVER_IN_PYTHON: Final = 2
 BARRIER_MARKER_ID: Final = 0
 RECORD_CONSUMER_ID: Final = 0
 RECORD_DEVICE_ID: Final = 1
@@ -92,9 +93,16 @@ def call(
     timeout_s: float,
     platform: str = "cpu",
 ) -> list[npt.NDArray[np.uint8]]: ...
+def call_handed_over(
+    device: int,
+    consumer_id: int,
+    leaves: Sequence[_Leaf],
+    timeout_s: float,
+    platform: str = "cpu",
+) -> int: ...
 def respond(
     device: int, sequence: int, results: Sequence[_Bytes], platform: str = "cpu"
-) -> None: ...
+) -> bool: ...
 def respond_error(device: int, sequence: int, message: str, platform: str = "cpu") -> None: ...
 def stats(device: int, platform: str = "cpu") -> _QueueStats: ...
 def reset_peak_bytes_queued(device: int, platform: str = "cpu") -> None: ...

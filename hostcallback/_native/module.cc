@@ -134,9 +134,11 @@ nb::object OwningArray(std::vector<uint8_t>&& bytes) {
   return nb::cast(nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(owned->data(), 1, shape, owner));
 }
 
-// The callback transport's `call`: the same record and wait, from the device's Python callback.
-nb::list CallFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves,
-                      double timeout_s, const std::string& platform) {
+// A call from the device's Python callback: the same record and wait (GIL released); throws
+// why it failed. *sequence is the call record's.
+Response CallFromPython(int device, uint64_t consumer_id, const HostLeaves& leaves,
+                        double timeout_s, const std::string& platform, uint16_t flags,
+                        uint64_t* sequence) {
   if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) throw nb::value_error(bad.c_str());
   DeviceQueue* queue = CheckedQueue(platform, device);
   std::vector<ArrayView> arrays = ViewsOf(leaves);
@@ -145,10 +147,19 @@ nb::list CallFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves
   {
     GilReleased released;
     FlushOwnReleases();
-    problem = CallHost(queue, device, consumer_id, arrays, timeout_s, &response);
+    problem = CallHost(queue, device, consumer_id, arrays, timeout_s, &response, flags, sequence);
   }
   if (problem.empty()) problem = response.error;
   if (!problem.empty()) throw std::runtime_error(problem);
+  return response;
+}
+
+// The callback transport's `call`, answered in bytes: one uint8 array per result leaf.
+nb::list CallFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves,
+                      double timeout_s, const std::string& platform) {
+  uint64_t sequence;
+  Response response = CallFromPython(device, consumer_id, leaves, timeout_s, platform,
+                                     kFlagExpectsResponse, &sequence);
   nb::list out;
   for (std::vector<uint8_t>& result : response.results) {
     out.append(OwningArray(std::move(result)));
@@ -156,14 +167,24 @@ nb::list CallFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves
   return out;
 }
 
-void Respond(int device, uint64_t sequence, const std::vector<ReadOnlyBytes>& results,
+// The callback transport's `call`, handed over in Python (kFlagHandedOverInPython): returns the
+// call record's sequence, under which hostcallback/handover.py holds the answer.
+uint64_t CallHandedOver(int device, uint64_t consumer_id, const HostLeaves& leaves,
+                              double timeout_s, const std::string& platform) {
+  uint64_t sequence;
+  CallFromPython(device, consumer_id, leaves, timeout_s, platform,
+                 kFlagExpectsResponse | kFlagHandedOverInPython, &sequence);
+  return sequence;
+}
+
+bool Respond(int device, uint64_t sequence, const std::vector<ReadOnlyBytes>& results,
              const std::string& platform) {
   DeviceQueue* queue = CheckedQueue(platform, device);
   Response response;
   for (const ReadOnlyBytes& result : results) {
     response.results.emplace_back(result.data(), result.data() + result.size());
   }
-  g_responses.Set({queue, sequence}, std::move(response));
+  return g_responses.Set({queue, sequence}, std::move(response));
 }
 
 void RespondError(int device, uint64_t sequence, const std::string& message,
@@ -261,9 +282,16 @@ void DefineModule(nb::module_& m) {
         nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
         "Enqueues a call record and waits (GIL released) for the host's answer: one uint8 array "
         "per result leaf, owning its bytes.");
+  m.def("call_handed_over", &CallHandedOver, nb::arg("device"),
+        nb::arg("consumer_id"), nb::arg("leaves"), nb::arg("timeout_s"),
+        nb::arg("platform") = kNativePlatform,
+        "As call, for a call whose leaves are a ticket and whose answer the receiver hands over "
+        "in Python (FLAG_HANDED_OVER_IN_PYTHON): returns the call record's sequence, under "
+        "which hostcallback.handover holds the answer.");
   m.def("respond", &Respond, nb::arg("device"), nb::arg("sequence"), nb::arg("results"),
         nb::arg("platform") = kNativePlatform,
-        "The receiver's answer to a call record: one uint8 array per result leaf.");
+        "The receiver's answer to a call record: one uint8 array per result leaf. True if the "
+        "call still waited for it, False if it was dropped (the call timed out or was stopped).");
   m.def("respond_error", &RespondError, nb::arg("device"), nb::arg("sequence"), nb::arg("message"),
         nb::arg("platform") = kNativePlatform, "Fails the waiting call with this message.");
   m.def("stats", &StatsOf, nb::arg("device"), nb::arg("platform") = kNativePlatform);
@@ -294,6 +322,7 @@ void DefineModule(nb::module_& m) {
   m.attr("WIRE_DESCRIPTOR_BYTES") = kDescriptorBytes;
   m.attr("WIRE_MAX_NDIM") = kMaxNdim;
   m.attr("FLAG_EXPECTS_RESPONSE") = kFlagExpectsResponse;
+  m.attr("FLAG_HANDED_OVER_IN_PYTHON") = kFlagHandedOverInPython;
   m.attr("BARRIER_MARKER_ID") = kBarrierMarkerId;
   m.attr("ALL_DEVICES") = kAllDevices;
   m.attr("RECORD_CONSUMER_ID") = kRecordConsumerId;

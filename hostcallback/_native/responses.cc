@@ -21,15 +21,16 @@ void Responses::Forget(Key key) noexcept {
   table_.erase(key);
 }
 
-void Responses::Set(Key key, Response response) {
+bool Responses::Set(Key key, Response response) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto found = table_.find(key);
-    if (found == table_.end() || found->second.answered) return;
+    if (found == table_.end() || found->second.answered) return false;
     found->second.answered = true;
     found->second.response = std::move(response);
   }
   cv_.notify_all();
+  return true;
 }
 
 std::string Responses::Wait(Key key, double timeout_s, Response* out, double call_timeout_s) {
@@ -82,12 +83,12 @@ void Responses::Fail(const DeviceQueue* queue, const std::string& reason) {
 Responses& g_responses = *new Responses();
 
 std::string CallHost(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
-                     double timeout_s, Response* response) {
+                     double timeout_s, Response* response, uint16_t flags, uint64_t* sequence) {
   // One timeout for the whole call: waiting for room in the queue, then for the answer.
   const auto start = std::chrono::steady_clock::now();
-  const int64_t pushed =
-      Enqueue(queue, device, consumer_id, arrays, kFlagExpectsResponse, timeout_s);
+  const int64_t pushed = Enqueue(queue, device, consumer_id, arrays, flags, timeout_s);
   if (pushed < 0) return WhyNotEnqueued(queue, pushed, timeout_s);
+  if (sequence != nullptr) *sequence = static_cast<uint64_t>(pushed);
   double left = timeout_s;
   if (!WaitsForever(timeout_s)) {
     const double spent =

@@ -36,8 +36,9 @@ class Responses {
   // The call record never joined its queue after all: forget its entry.
   void Forget(Key key) noexcept;
 
-  // Stores the answer if its call still waits; drops it otherwise (timed out, stopped).
-  void Set(Key key, Response response);
+  // Stores the answer and returns true if its call still waits; drops it and returns false
+  // otherwise (timed out, stopped).
+  bool Set(Key key, Response response);
 
   // Why no answer came (stopped, timed out), or the empty string with *out set.
   // timeout_s is what is left of the call's timeout, the whole of which the message names.
@@ -70,9 +71,11 @@ class Responses {
 // Never destroyed (see the rules at the top of module.cc).
 extern Responses& g_responses;
 
-// Sends a call record and waits for the answer; fills *response or says why it could not.
+// Sends a call record and waits for the answer; fills *response (and *sequence, the record's,
+// if given) or says why it could not. flags: the record's (kFlagExpectsResponse and more).
 std::string CallHost(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
-                     double timeout_s, Response* response);
+                     double timeout_s, Response* response,
+                     uint16_t flags = kFlagExpectsResponse, uint64_t* sequence = nullptr);
 
 }  // namespace hostcallback
 

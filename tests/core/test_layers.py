@@ -17,7 +17,7 @@ LAYERS = [
                 "hostcallback.versions", "hostcallback.errors", "hostcallback.wire",
                 "hostcallback.flavors", "hostcallback.registry", "hostcallback.record_context",
                 "hostcallback.printing", "hostcallback.failures",
-                "hostcallback.record_layout"]),
+                "hostcallback.record_layout", "hostcallback.handover"]),
     ("records and lowering rules", [
         "hostcallback.transport", "hostcallback.program_order", "hostcallback.keep_taps",
         "hostcallback.reentry", "hostcallback.batches", "hostcallback.results"]),

@@ -1,0 +1,82 @@
+"""A call on the callback transport hands its arguments and answer over in Python, without a
+copy (hostcallback/handover.py): the function sees what a decoded record would show it, and a
+call that ends early leaves nothing behind."""
+
+import logging
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import hostcallback as hcb
+from hostcallback import handover, wire
+
+
+@pytest.fixture(autouse=True)
+def callback_transport():
+    with hcb.config.override(transport="callback"):
+        yield
+
+
+@pytest.mark.parametrize("value", [np.float32(2.5), np.arange(6, dtype=np.int16).reshape(2, 3),
+                                   np.array([True, False]),
+                                   np.arange(4).astype(ml_dtypes.bfloat16)],
+                         ids=["0-d", "int16 2x3", "bool", "bfloat16"])
+def test_the_function_gets_read_only_arrays_equal_to_the_arguments(value):
+    seen = []
+
+    def host(v):
+        seen.append(v)
+        return v  # the answer is the argument itself
+
+    out = jax.jit(lambda x: hcb.call(host, x, result_shape=x))(value)
+    (got,) = seen
+    assert isinstance(got, np.ndarray) and not got.flags.writeable
+    assert got.dtype == value.dtype and got.shape == np.shape(value)
+    np.testing.assert_array_equal(got, value)
+    np.testing.assert_array_equal(out, value)
+
+
+def test_a_late_answer_to_a_call_that_timed_out_leaves_nothing_behind():
+    def slow(v):
+        time.sleep(0.8)
+        return v
+
+    with pytest.raises(Exception, match="did not answer this call within its timeout"):
+        jax.jit(lambda x: hcb.call(slow, x, result_shape=x, timeout=0.2))(1.0).block_until_ready()
+    hcb.barrier_wait()  # the late answer has been given by now
+    assert handover._answers == {} and handover._arguments == {}
+    assert jax.jit(lambda x: hcb.call(lambda v: v, x, result_shape=x))(3.0) == 3.0
+
+
+def test_a_call_whose_caller_gave_up_before_it_ran_does_not_run_and_says_why(caplog):
+    release = threading.Event()
+    ran = []
+    hold = jax.jit(lambda x: hcb.id_tap(lambda v, _: release.wait(10), x))
+    call = jax.jit(lambda x: hcb.call(lambda v: ran.append(v) or v, x, result_shape=x,
+                                      timeout=0.2))
+    hold(1.0).block_until_ready()  # the receiver now waits in this tap
+    with pytest.raises(Exception, match="did not answer this call within its timeout"):
+        call(2.0).block_until_ready()
+    with caplog.at_level(logging.ERROR, logger="hostcallback"):
+        release.set()
+        hcb.barrier_wait()
+    assert ran == []
+    assert "stopped waiting" in caplog.text
+    assert handover._answers == {} and handover._arguments == {}
+
+
+def test_an_argument_of_a_dtype_records_cannot_hold_is_refused_clearly():
+    with pytest.raises(wire.UnsupportedDtypeError, match="dtype <U4 cannot be tapped"):
+        handover.call(0, 1, [np.array(["text"])], 1.0, platform="cpu")
+    assert handover._arguments == {}
+
+
+def test_a_large_answer_reaches_the_computation_whole():
+    x = jnp.arange(1 << 20, dtype=jnp.float32)
+    out = jax.jit(lambda v: hcb.call(lambda a: np.asarray(a) + 1, v, result_shape=v))(x)
+    np.testing.assert_array_equal(out, np.arange(1 << 20, dtype=np.float32) + 1)

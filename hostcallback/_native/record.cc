@@ -49,22 +49,28 @@ struct ChunkedCopy {
   std::atomic<size_t> next{0}, done{0};
 };
 
-// memcpy, on several threads of `pool` for a large array (pool may be null: one thread).
+// memcpy, for a large array on several threads: those of `pool`, or without a pool (a record
+// from Python, the callback transport) one thread started for the copy.
 void CopyArray(uint8_t* dst, const uint8_t* src, size_t bytes, ffi::ThreadPool* pool) {
-  const int64_t threads = pool != nullptr && bytes >= kParallelCopyBytes ? pool->num_threads() : 0;
-  if (threads < 2) {
+  // More threads than cores only take turns (forced CPU devices share one pool of 4 on 2 cores).
+  static const size_t cores = std::max(1u, std::thread::hardware_concurrency());
+  const size_t threads = bytes < kParallelCopyBytes ? 1
+                         : pool != nullptr ? static_cast<size_t>(pool->num_threads())
+                                           : 2;
+  if (threads < 2 || cores < 2) {
     std::memcpy(dst, src, bytes);
     return;
   }
   auto copy = std::make_shared<ChunkedCopy>(dst, src, bytes);
-  // More threads than cores only take turns (forced CPU devices share one pool of 4 on 2 cores).
-  static const size_t cores = std::max(1u, std::thread::hardware_concurrency());
-  const size_t helpers =
-      std::min({static_cast<size_t>(threads), cores, copy->chunks}) - 1;
+  const size_t helpers = std::min({threads, cores, copy->chunks}) - 1;
   for (size_t i = 0; i < helpers; ++i) {
     try {
-      pool->Schedule([copy]() noexcept { copy->CopyChunks(); });
-    } catch (...) {  // no memory for the task: this thread copies what is left
+      if (pool != nullptr) {
+        pool->Schedule([copy]() noexcept { copy->CopyChunks(); });
+      } else {
+        std::thread([copy]() noexcept { copy->CopyChunks(); }).detach();
+      }
+    } catch (...) {  // no memory or no thread for the helper: this thread copies what is left
       break;
     }
   }

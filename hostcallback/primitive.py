@@ -281,9 +281,9 @@ def _lowering(ctx, *args, platform, **params):
         token = _token_chain(ctx).get(block) or jx.hlo.create_token()
     if is_call:
         token, outs = emit.call(ctx, list(args), consumer_id=consumer_id,
-                                emit_device=emit_device, token=token,
-                                op_sharding=op_sharding, result_avals=result_avals,
-                                timeout_s=timeout_s)
+                                emit_device=emit_device, device_index=params["device_index"],
+                                token=token, op_sharding=op_sharding,
+                                result_avals=result_avals, timeout_s=timeout_s)
     elif params["shard_callback"] != NO_SHARD_CALLBACK:
         token = callback_transport.tap_shard(ctx, list(args), consumer_id=consumer_id,
                                              callback_index=params["shard_callback"],
@@ -291,7 +291,8 @@ def _lowering(ctx, *args, platform, **params):
         outs = list(args)
     else:
         token = emit.tap(ctx, list(args), consumer_id=consumer_id, emit_device=emit_device,
-                         token=token, op_sharding=op_sharding)
+                         device_index=params["device_index"], token=token,
+                         op_sharding=op_sharding)
         outs = list(args)
     if threaded:
         ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({effect: token})))

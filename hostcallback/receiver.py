@@ -74,6 +74,11 @@ def _native_platform_devices() -> list:
         return []
 
 
+def _name_of(consumer: Any) -> str:
+    """How logs and errors name a consumer: its name, else its function's."""
+    return consumer.name or getattr(consumer.func, "__name__", repr(consumer.func))
+
+
 class ReceiverStoppedError(RuntimeError):
     """The receivers were stopped with stop_outfeed_receiver(); taps cannot be delivered any more."""
 
@@ -270,16 +275,22 @@ class ReceiverPool:
                     current.record = record
                     consumer.tap_batch(batches.RecordBatch(batch, start, index, consumer, device))
                     current.record = None
-                elif consumer.is_call:
-                    handed_over = record[FLAGS] & wire.FLAG_HANDED_OVER_IN_PYTHON
+                elif consumer.is_call and record[FLAGS] & wire.FLAG_HANDED_OVER_IN_PYTHON:
+                    ticket = handover.ticket_of(record[LEAVES])
+                    arguments = handover.arguments(ticket)
+                    if arguments is None:  # its caller gave up: nobody waits for an answer
+                        self._call_not_run(consumer, device)
+                        continue
                     current.record = record
-                    result = consumer.call(handover.arguments(record[LEAVES]) if handed_over
-                                           else record[LEAVES], device)
+                    result = consumer.call(arguments, device)
                     current.record = None
-                    if handed_over:
-                        handover.respond(key[0], key[1], record[SEQUENCE],
-                                        results.result_leaves(consumer, result))
-                    elif record[FLAGS] & wire.FLAG_EXPECTS_RESPONSE:
+                    handover.respond(key[0], key[1], record[SEQUENCE], ticket,
+                                     results.result_leaves(consumer, result))
+                elif consumer.is_call:
+                    current.record = record
+                    result = consumer.call(record[LEAVES], device)
+                    current.record = None
+                    if record[FLAGS] & wire.FLAG_EXPECTS_RESPONSE:
                         outfeed.respond(key[1], record[SEQUENCE],
                                         results.result_leaves(consumer, result),
                                         platform=key[0])
@@ -300,13 +311,22 @@ class ReceiverPool:
         # A kept failure's traceback reaches this frame (its frames' f_back): let go of the batch.
         batch = record = None
 
+    @staticmethod
+    def _call_not_run(consumer: Any, device: Any) -> None:
+        """A call made from Python whose caller stopped waiting (it timed out or was stopped)
+        before its function could run: the function is not run; its caller has already failed
+        with the reason."""
+        logger.warning("hostcallback: call %s on %s was not run: its caller stopped waiting (it "
+                       "timed out or was stopped) before it could run", _name_of(consumer),
+                       device)
+
     def _consumer_failed(self, key: QueueKey, device: Any, record: tuple,
                          error: BaseException) -> None:
         platform, ordinal = key
         consumer_id, _, sequence, flags, _ = record
         consumer = self._consumers.by_id.get(consumer_id)
         consumer_name = (f"<unknown consumer {consumer_id}>" if consumer is None else
-                         consumer.name or getattr(consumer.func, "__name__", repr(consumer.func)))
+                         _name_of(consumer))
         is_call = bool(flags & wire.FLAG_EXPECTS_RESPONSE)
         if is_call:
             # The device is waiting: fail its call with the reason, keep the process alive.

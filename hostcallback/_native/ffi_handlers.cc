@@ -131,8 +131,9 @@ void ReportSharedTimeout(const std::string& problem) {
 // calling device must not fail on its own, since the others wait for it in the collective that
 // shares its results: it returns zeros with the flag set and leaves the reason for
 // HostcallbackCheck, which fails every device together after the collective.
-ffi::Error CallImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_device,
-                    double timeout_s, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+ffi::Error CallImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consumer_id,
+                    int64_t emit_device, double timeout_s, ffi::RemainingArgs args,
+                    ffi::RemainingRets rets) {
   return Guarded([&]() -> ffi::Error {
     const bool shared = emit_device != kAllDevices;
     if (shared && emit_device != device_ordinal) return ZeroOutputs(rets);
@@ -150,7 +151,8 @@ ffi::Error CallImpl(int32_t device_ordinal, uint64_t consumer_id, int64_t emit_d
           problem = "hostcallback: " + error.message();
         } else {
           problem = CallHost(NativeQueueFor(device_ordinal), device_ordinal, consumer_id,
-                             ArrayViews(arrays.data(), count), timeout_s, &response);
+                             ArrayViews(arrays.data(), count), timeout_s, &response,
+                             kFlagExpectsResponse, &pool);
           if (problem.empty()) problem = response.error;
         }
       } catch (const std::bad_alloc&) {
@@ -236,6 +238,7 @@ ffi::Error CheckImpl(uint64_t consumer_id, ffi::RemainingArgs args, ffi::Remaini
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackCall, CallImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Attr<uint64_t>("consumer_id")
                                   .Attr<int64_t>("emit_device")
                                   .Attr<double>("timeout_s")

@@ -135,10 +135,9 @@ nb::object OwningArray(std::vector<uint8_t>&& bytes) {
 }
 
 // A call from the device's Python callback: the same record and wait (GIL released); throws
-// why it failed. *sequence is the call record's.
+// why it failed.
 Response CallFromPython(int device, uint64_t consumer_id, const HostLeaves& leaves,
-                        double timeout_s, const std::string& platform, uint16_t flags,
-                        uint64_t* sequence) {
+                        double timeout_s, const std::string& platform, uint16_t flags) {
   if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) throw nb::value_error(bad.c_str());
   DeviceQueue* queue = CheckedQueue(platform, device);
   std::vector<ArrayView> arrays = ViewsOf(leaves);
@@ -147,7 +146,7 @@ Response CallFromPython(int device, uint64_t consumer_id, const HostLeaves& leav
   {
     GilReleased released;
     FlushOwnReleases();
-    problem = CallHost(queue, device, consumer_id, arrays, timeout_s, &response, flags, sequence);
+    problem = CallHost(queue, device, consumer_id, arrays, timeout_s, &response, flags);
   }
   if (problem.empty()) problem = response.error;
   if (!problem.empty()) throw std::runtime_error(problem);
@@ -157,9 +156,8 @@ Response CallFromPython(int device, uint64_t consumer_id, const HostLeaves& leav
 // The callback transport's `call`, answered in bytes: one uint8 array per result leaf.
 nb::list CallFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves,
                       double timeout_s, const std::string& platform) {
-  uint64_t sequence;
   Response response = CallFromPython(device, consumer_id, leaves, timeout_s, platform,
-                                     kFlagExpectsResponse, &sequence);
+                                     kFlagExpectsResponse);
   nb::list out;
   for (std::vector<uint8_t>& result : response.results) {
     out.append(OwningArray(std::move(result)));
@@ -167,14 +165,12 @@ nb::list CallFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves
   return out;
 }
 
-// The callback transport's `call`, handed over in Python (kFlagHandedOverInPython): returns the
-// call record's sequence, under which hostcallback/handover.py holds the answer.
-uint64_t CallHandedOver(int device, uint64_t consumer_id, const HostLeaves& leaves,
-                              double timeout_s, const std::string& platform) {
-  uint64_t sequence;
+// The callback transport's `call`, handed over in Python (kFlagHandedOverInPython): the leaves
+// are the call's ticket, and hostcallback/handover.py holds the answer under it.
+void CallHandedOver(int device, uint64_t consumer_id, const HostLeaves& leaves, double timeout_s,
+                    const std::string& platform) {
   CallFromPython(device, consumer_id, leaves, timeout_s, platform,
-                 kFlagExpectsResponse | kFlagHandedOverInPython, &sequence);
-  return sequence;
+                 kFlagExpectsResponse | kFlagHandedOverInPython);
 }
 
 bool Respond(int device, uint64_t sequence, const std::vector<ReadOnlyBytes>& results,
@@ -282,12 +278,11 @@ void DefineModule(nb::module_& m) {
         nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
         "Enqueues a call record and waits (GIL released) for the host's answer: one uint8 array "
         "per result leaf, owning its bytes.");
-  m.def("call_handed_over", &CallHandedOver, nb::arg("device"),
-        nb::arg("consumer_id"), nb::arg("leaves"), nb::arg("timeout_s"),
-        nb::arg("platform") = kNativePlatform,
-        "As call, for a call whose leaves are a ticket and whose answer the receiver hands over "
-        "in Python (FLAG_HANDED_OVER_IN_PYTHON): returns the call record's sequence, under "
-        "which hostcallback.handover holds the answer.");
+  m.def("call_handed_over", &CallHandedOver, nb::arg("device"), nb::arg("consumer_id"),
+        nb::arg("leaves"), nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
+        "As call, for a call whose leaves are its ticket and whose answer the receiver hands "
+        "over in Python, under that ticket (FLAG_HANDED_OVER_IN_PYTHON, hostcallback.handover); "
+        "returns once it is there.");
   m.def("respond", &Respond, nb::arg("device"), nb::arg("sequence"), nb::arg("results"),
         nb::arg("platform") = kNativePlatform,
         "The receiver's answer to a call record: one uint8 array per result leaf. True if the "

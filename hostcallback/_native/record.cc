@@ -49,8 +49,8 @@ struct ChunkedCopy {
   std::atomic<size_t> next{0}, done{0};
 };
 
-// memcpy, for a large array on several threads: those of `pool`, or without a pool (a record
-// from Python, the callback transport) one thread started for the copy.
+// memcpy, for a large array on several threads: those of `pool` (the FFI handlers'), or without
+// a pool (a record from Python: the callback transport) one thread started for the copy.
 void CopyArray(uint8_t* dst, const uint8_t* src, size_t bytes, ffi::ThreadPool* pool) {
   // More threads than cores only take turns (forced CPU devices share one pool of 4 on 2 cores).
   static const size_t cores = std::max(1u, std::thread::hardware_concurrency());

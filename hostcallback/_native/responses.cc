@@ -83,12 +83,12 @@ void Responses::Fail(const DeviceQueue* queue, const std::string& reason) {
 Responses& g_responses = *new Responses();
 
 std::string CallHost(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
-                     double timeout_s, Response* response, uint16_t flags, uint64_t* sequence) {
+                     double timeout_s, Response* response, uint16_t flags,
+                     xla::ffi::ThreadPool* pool) {
   // One timeout for the whole call: waiting for room in the queue, then for the answer.
   const auto start = std::chrono::steady_clock::now();
-  const int64_t pushed = Enqueue(queue, device, consumer_id, arrays, flags, timeout_s);
+  const int64_t pushed = Enqueue(queue, device, consumer_id, arrays, flags, timeout_s, pool);
   if (pushed < 0) return WhyNotEnqueued(queue, pushed, timeout_s);
-  if (sequence != nullptr) *sequence = static_cast<uint64_t>(pushed);
   double left = timeout_s;
   if (!WaitsForever(timeout_s)) {
     const double spent =

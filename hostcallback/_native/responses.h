@@ -71,11 +71,12 @@ class Responses {
 // Never destroyed (see the rules at the top of module.cc).
 extern Responses& g_responses;
 
-// Sends a call record and waits for the answer; fills *response (and *sequence, the record's,
-// if given) or says why it could not. flags: the record's (kFlagExpectsResponse and more).
+// Sends a call record and waits for the answer; fills *response or says why it could not.
+// flags: the record's (kFlagExpectsResponse and more); pool: XLA's threads, which copy large
+// arrays (null: from Python, see EncodeRecord).
 std::string CallHost(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
                      double timeout_s, Response* response,
-                     uint16_t flags = kFlagExpectsResponse, uint64_t* sequence = nullptr);
+                     uint16_t flags = kFlagExpectsResponse, xla::ffi::ThreadPool* pool = nullptr);
 
 }  // namespace hostcallback
 

@@ -1,8 +1,11 @@
 """The two ways a tap's bytes reach the outfeed queues; both feed the same receivers.
 
 A transport module writes the MLIR for one tap, ``tap(ctx, args, *, consumer_id, emit_device,
-token, op_sharding) -> token``, and for one call, ``call(ctx, args, *, consumer_id, emit_device,
-token, op_sharding, result_avals, timeout_s) -> (token, results)``. The native one calls our C++ FFI
+device_index, token, op_sharding) -> token``, and for one call, ``call(ctx, args, *, consumer_id,
+emit_device, device_index, token, op_sharding, result_avals, timeout_s) -> (token, results)``.
+emit_device is the one device that enqueues (its id, or NO_LOCAL_DEVICE if another process has
+it) or ALL_DEVICES; where it is one device, device_index is that device's place among the
+computation's devices, the same in every process. The native one calls our C++ FFI
 handlers on the device thread; the callback one goes through JAX's host callbacks, for platforms
 that have no native handler.
 """

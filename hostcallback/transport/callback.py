@@ -38,7 +38,8 @@ def _device_of_partition(axis_context) -> Callable[[np.ndarray], jax.Device]:
     return lambda partition: devices[int(partition)]
 
 
-def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
+def tap(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, token,
+        op_sharding):
     device_of = _device_of_partition(ctx.module_context.axis_context)
 
     def enqueue_on_host(partition, *arrays):
@@ -57,12 +58,13 @@ def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
             has_side_effect=True, returns_token=True, sharding=op_sharding)
         return [token_out]
 
-    (token_out,) = _on_emitting_partition(ctx, emit_device, [], emit, lambda: [token])
+    (token_out,) = _on_emitting_partition(ctx, emit_device, device_index, [], emit,
+                                          lambda: [token])
     return token_out
 
 
-def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, result_avals,
-         timeout_s: float):
+def call(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, token,
+         op_sharding, result_avals, timeout_s: float):
     """The device's Python callback sends the record and waits (GIL released) for the answer.
     A call shared over the devices of a sharded computation (emit_device != ALL_DEVICES): the other
     devices return zeros at once, and the last result is the failure flag, as in the native
@@ -111,8 +113,8 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, r
     def not_calling():  # zeros and a clear failure flag, as call_on_host returns there
         return [token, *(_zeros(aval) for aval in result_avals)]
 
-    token_out, *results = _on_emitting_partition(ctx, emit_device, list(result_avals), emit,
-                                                  not_calling)
+    token_out, *results = _on_emitting_partition(ctx, emit_device, device_index,
+                                                  list(result_avals), emit, not_calling)
     return token_out, results
 
 
@@ -125,22 +127,20 @@ def _zeros(aval):
     return hlo.broadcast_in_dim(_ir_type(aval), zero, [])
 
 
-def _on_emitting_partition(ctx, emit_device: int, result_avals: list, emit: Callable[[], list],
-                           otherwise: Callable[[], list]) -> list:
+def _on_emitting_partition(ctx, emit_device: int, device_index: int, result_avals: list,
+                           emit: Callable[[], list], otherwise: Callable[[], list]) -> list:
     """[token, *results]: emit()'s on the device that emits, otherwise()'s on the others.
 
     Where every device of a shard_map region runs this op but one device emits (a whole-value tap
     or call under a sharded jit), only that device's Python callback runs, as only one of JAX's
-    own runs there: the others take the other branch of a conditional and never reach Python.
+    own runs there: the others take the other branch of a conditional on the partition id (the
+    device's place in the region's mesh, which is device_index for the emitting one) and never
+    reach Python. Every process builds the same program, the emitting one's or not.
     """
     axis_context = ctx.module_context.axis_context
     if emit_device == outfeed.ALL_DEVICES or not isinstance(axis_context, jx.SPMDAxisContext):
         return emit()
-    devices = tuple(axis_context.mesh.devices.flat)
-    partition = next((i for i, d in enumerate(devices) if d.id == emit_device), None)
-    if partition is None:  # the emitting device belongs to another process
-        return otherwise()
-    emits = hlo.compare(hlo.partition_id(), mlir.ir_constant(np.uint32(partition)),
+    emits = hlo.compare(hlo.partition_id(), mlir.ir_constant(np.uint32(device_index)),
                         hlo.ComparisonDirectionAttr.get("EQ"),
                         compare_type=hlo.ComparisonTypeAttr.get("UNSIGNED"))
     index = hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)), emits)

@@ -34,7 +34,9 @@ _lower_call = jax.ffi.ffi_lowering(CALL_TARGET, has_side_effect=True)
 _lower_check = jax.ffi.ffi_lowering(CHECK_TARGET, has_side_effect=True)
 
 
-def tap(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding):
+def tap(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, token,
+        op_sharding):
+    del device_index  # the handler compares its own device with emit_device
     call_ctx = dataclasses.replace(ctx, avals_in=[jx.abstract_token, *ctx.avals_in],
                                    avals_out=[jx.abstract_token])
     (token_out,) = _lower_tap(call_ctx, token, *args, consumer_id=np.uint64(consumer_id),
@@ -48,8 +50,8 @@ def _never_called(*args):
     raise AssertionError("hostcallback's placeholder host callback was called")
 
 
-def call(ctx, args, *, consumer_id: int, emit_device: int, token, op_sharding, result_avals,
-         timeout_s: float):
+def call(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, token,
+         op_sharding, result_avals, timeout_s: float):
     """The device sends ``args`` and waits for the host's results, which the handler copies into
     the outputs: (token, *results). With emit_device >= 0 the other devices get zeros at once.
 

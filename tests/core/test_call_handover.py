@@ -41,19 +41,41 @@ def test_the_function_gets_read_only_arrays_equal_to_the_arguments(value):
     np.testing.assert_array_equal(out, value)
 
 
+def test_the_arrays_jax_hands_a_host_callback_own_their_memory():
+    """What the handover rests on: the receiver may still read a call's arguments after a caller
+    that timed out returned to JAX, so they must not be views of XLA's buffers."""
+    seen = []
+
+    def host(v):
+        seen.append(v)
+        return v
+
+    jax.jit(lambda x: hcb.call(host, x, result_shape=x))(jnp.arange(1024.0))
+    (got,) = seen
+    owner = got
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    assert owner.base is not None or owner.flags.owndata
+
+
 def test_a_late_answer_to_a_call_that_timed_out_leaves_nothing_behind():
+    started = threading.Event()
+
     def slow(v):
+        started.set()
         time.sleep(0.8)
         return v
 
+    # The function has begun before the caller gives up: its answer comes late.
     with pytest.raises(Exception, match="did not answer this call within its timeout"):
-        jax.jit(lambda x: hcb.call(slow, x, result_shape=x, timeout=0.2))(1.0).block_until_ready()
+        jax.jit(lambda x: hcb.call(slow, x, result_shape=x, timeout=0.5))(1.0).block_until_ready()
     hcb.barrier_wait()  # the late answer has been given by now
+    assert started.is_set()
     assert handover._answers == {} and handover._arguments == {}
     assert jax.jit(lambda x: hcb.call(lambda v: v, x, result_shape=x))(3.0) == 3.0
 
 
-def test_a_call_whose_caller_gave_up_before_it_ran_does_not_run_and_says_why(caplog):
+def test_a_call_whose_caller_gave_up_before_it_ran_is_not_run_and_the_log_says_why(caplog):
     release = threading.Event()
     ran = []
     hold = jax.jit(lambda x: hcb.id_tap(lambda v, _: release.wait(10), x))
@@ -62,18 +84,18 @@ def test_a_call_whose_caller_gave_up_before_it_ran_does_not_run_and_says_why(cap
     hold(1.0).block_until_ready()  # the receiver now waits in this tap
     with pytest.raises(Exception, match="did not answer this call within its timeout"):
         call(2.0).block_until_ready()
-    with caplog.at_level(logging.ERROR, logger="hostcallback"):
+    with caplog.at_level(logging.WARNING, logger="hostcallback"):
         release.set()
         hcb.barrier_wait()
     assert ran == []
-    assert "stopped waiting" in caplog.text
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "was not run: its caller stopped waiting" in caplog.text
     assert handover._answers == {} and handover._arguments == {}
 
 
 def test_an_argument_of_a_dtype_records_cannot_hold_is_refused_clearly():
     with pytest.raises(wire.UnsupportedDtypeError, match="dtype <U4 cannot be tapped"):
         handover.call(0, 1, [np.array(["text"])], 1.0, platform="cpu")
-    assert handover._arguments == {}
 
 
 def test_a_large_answer_reaches_the_computation_whole():

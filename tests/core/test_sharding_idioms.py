@@ -21,6 +21,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import hostcallback as hcb
+from hostcallback.transport import callback as callback_transport
 
 
 class Idiom(NamedTuple):
@@ -136,6 +137,32 @@ def test_whole_value_tap_is_delivered_once_from_the_device_at_device_index(
     assert transforms == ()
     assert device == devices[device_index]
     np.testing.assert_array_equal(out, _value_for(idiom) * 2 + 1)
+
+
+@pytest.mark.needs_internals("taps and calls in a jit over a sharded mesh")
+@pytest.mark.parametrize("device_index", [0, 3])
+def test_on_the_callback_transport_only_the_emitting_device_reaches_python(
+        monkeypatch, collector, device_index):
+    """As with JAX's own callbacks under a sharded jit, the other devices skip the host
+    callback in XLA: each partition that reaches Python is counted."""
+    reached = []
+    mapper = callback_transport._device_of_partition
+
+    def counting_mapper(axis_context):
+        device_of = mapper(axis_context)
+        return lambda partition: reached.append(int(partition)) or device_of(partition)
+
+    monkeypatch.setattr(callback_transport, "_device_of_partition", counting_mapper)
+    mesh = _mesh()
+    with hcb.config.override(transport="callback"), jax.set_mesh(mesh):
+        x = jax.device_put(VALUE, NamedSharding(mesh, P("d")))
+        jax.jit(lambda x: hcb.id_tap(collector, x, device_index=device_index))(x)
+        out = jax.jit(lambda x: hcb.call(lambda v: np.asarray(v) + 1, x, result_shape=x,
+                                         device_index=device_index))(x)
+    hcb.barrier_wait()
+    assert reached == [device_index, device_index]
+    assert len(collector.calls) == 1
+    np.testing.assert_array_equal(out, VALUE + 1)
 
 
 @pytest.mark.needs_internals("taps in a jit over a sharded mesh", transport="native")

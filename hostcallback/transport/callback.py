@@ -16,8 +16,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 from hostcallback import _jax as jx
-from hostcallback import handover
-from hostcallback import wire
+from hostcallback import handover, wire
 from hostcallback._jax import hlo, ir, mlir
 from hostcallback.errors import describe_error
 from hostcallback._native import outfeed

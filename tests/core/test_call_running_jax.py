@@ -8,14 +8,21 @@ import pytest
 from helpers import TRANSPORTS, run_python
 
 EVOX_STEPS = """
+import sys
 import jax, jax.numpy as jnp, numpy as np
 import hostcallback as hcb
 
 inner = jax.jit(lambda p: jnp.sum(p, axis=1))   # the "problem", evaluated on the host side
 timeout = {timeout}
 
+def evaluate(p):  # says on stderr when a call's function begins and ends
+    print("call function begins", file=sys.stderr, flush=True)
+    fit = np.asarray(inner(p))
+    print("call function ends", file=sys.stderr, flush=True)
+    return fit
+
 def fitness(pop):
-    return hcb.call(lambda p: np.asarray(inner(p)), pop, timeout=timeout,
+    return hcb.call(evaluate, pop, timeout=timeout,
                     result_shape=jax.ShapeDtypeStruct(pop.shape[:1], jnp.float32))
 
 scenario = {scenario!r}
@@ -82,17 +89,22 @@ def run_back_to_back(scenario: str, transport: str):
                            "XLA_FLAGS": RENDEZVOUS_LIMIT_FLAGS})
 
 
-def assert_finished_or_failed_saying_why(result, *, shared: bool) -> None:
-    """It finished; or the call's timeout failed the step with an error that says why (for a
-    call shared over a sharded computation's devices, on stderr at once too); or XLA's CPU client
-    stopped before any call and XLA ended the process, saying so."""
+def assert_finished_or_failed_saying_why(result, *, shared: bool, finished: str) -> None:
+    """It finished with the right answer; or the call's timeout failed the step with an error
+    that says why (for a call shared over a sharded computation's devices, on stderr at once
+    too); or XLA's CPU client stopped while no call was left unanswered and XLA ended the
+    process, saying so."""
+    timed_out = "did not answer this call within its timeout of 5 s"
     if result.returncode != 0:
         assert result.returncode == -6, result.stderr[-3000:]  # SIGABRT from XLA's check
         assert "Termination timeout for" in result.stderr, result.stderr[-3000:]
+        begun = result.stderr.count("call function begins")
+        ended = result.stderr.count("call function ends")
+        assert begun == ended or timed_out in result.stdout, result.stderr[-3000:]
         return
     if result.stdout.startswith("ok"):
+        assert result.stdout.startswith(finished), result.stdout
         return  # timing let XLA run the function's work
-    timed_out = "did not answer this call within its timeout of 5 s"
     assert timed_out in result.stdout and "block_until_ready" in result.stdout, result.stdout
     if shared:
         assert timed_out in result.stderr and "every device fails with this error" in \
@@ -107,7 +119,8 @@ def test_under_pmap_back_to_back_a_call_with_a_timeout_fails_saying_why(transpor
     """The function's work queues on its device behind the next step, which waits for this
     one: the call's timeout fails the step saying why. Once, on a loaded machine, XLA's CPU
     client stopped in a step's all-reduce before any call, as under a sharded jit (below)."""
-    assert_finished_or_failed_saying_why(run_back_to_back("pmap", transport), shared=False)
+    assert_finished_or_failed_saying_why(run_back_to_back("pmap", transport), shared=False,
+                                         finished="ok 0.314789")
 
 
 @pytest.mark.timeout(200)
@@ -120,4 +133,5 @@ def test_under_a_sharded_jit_back_to_back_it_never_hangs(transport):
     CPU client leaves one device's launch waiting for a slot while the others wait for it in a
     collective, before any call, and XLA ends the process after its rendezvous limit, saying so
     (JAX's own pure_callback ends that way every time); either way within the deadline."""
-    assert_finished_or_failed_saying_why(run_back_to_back("sharded_jit", transport), shared=True)
+    assert_finished_or_failed_saying_why(run_back_to_back("sharded_jit", transport), shared=True,
+                                         finished="ok 0.040218")

@@ -140,11 +140,13 @@ def test_whole_value_tap_is_delivered_once_from_the_device_at_device_index(
 
 
 @pytest.mark.needs_internals("taps and calls in a jit over a sharded mesh")
+@pytest.mark.parametrize("reverse", [False, True], ids=["mesh in device order", "reversed mesh"])
 @pytest.mark.parametrize("device_index", [0, 3])
 def test_on_the_callback_transport_only_the_emitting_device_reaches_python(
-        monkeypatch, collector, device_index):
+        monkeypatch, collector, device_index, reverse):
     """As with JAX's own callbacks under a sharded jit, the other devices skip the host
-    callback in XLA: each partition that reaches Python is counted."""
+    callback in XLA: each partition that reaches Python is counted, and the tap comes from the
+    device at device_index."""
     reached = []
     mapper = callback_transport._device_of_partition
 
@@ -153,15 +155,18 @@ def test_on_the_callback_transport_only_the_emitting_device_reaches_python(
         return lambda partition: reached.append(int(partition)) or device_of(partition)
 
     monkeypatch.setattr(callback_transport, "_device_of_partition", counting_mapper)
-    mesh = _mesh()
+    devices = jax.devices()[::-1] if reverse else jax.devices()
+    mesh = _mesh(devices=devices)
     with hcb.config.override(transport="callback"), jax.set_mesh(mesh):
         x = jax.device_put(VALUE, NamedSharding(mesh, P("d")))
-        jax.jit(lambda x: hcb.id_tap(collector, x, device_index=device_index))(x)
+        jax.jit(lambda x: hcb.id_tap(collector, x, device_index=device_index,
+                                     tap_with_device=True))(x)
         out = jax.jit(lambda x: hcb.call(lambda v: np.asarray(v) + 1, x, result_shape=x,
                                          device_index=device_index))(x)
     hcb.barrier_wait()
     assert reached == [device_index, device_index]
-    assert len(collector.calls) == 1
+    ((_, _, device),) = collector.calls
+    assert device == devices[device_index]
     np.testing.assert_array_equal(out, VALUE + 1)
 
 

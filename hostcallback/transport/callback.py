@@ -41,11 +41,10 @@ def tap(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, tok
         op_sharding):
     device_of = _device_of_partition(ctx.module_context.axis_context)
 
-    def enqueue_on_host(partition, *arrays):
+    def enqueue_on_host(partition, *arrays):  # on the emitting device(s) only
         device = device_of(partition)
-        if emit_device in (outfeed.ALL_DEVICES, device.id):
-            outfeed.enqueue(device.id, consumer_id, [wire.as_leaf(a) for a in arrays],
-                            platform=device.platform)
+        outfeed.enqueue(device.id, consumer_id, [wire.as_leaf(a) for a in arrays],
+                        platform=device.platform)
         return ()
 
     def emit():
@@ -66,8 +65,9 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, to
          op_sharding, result_avals, timeout_s: float):
     """The device's Python callback sends the record and waits (GIL released) for the answer.
     A call shared over the devices of a sharded computation (emit_device != ALL_DEVICES): the other
-    devices return zeros at once, and the last result is the failure flag, as in the native
-    handler: the calling device returns zeros and the flag instead of failing on its own."""
+    devices return zeros in XLA (_on_emitting_partition), and the last result is the failure
+    flag, as in the native handler: the calling device returns zeros and the flag instead of
+    failing on its own."""
     device_of = _device_of_partition(ctx.module_context.axis_context)
     shapes = [(a.shape, np.dtype(a.dtype)) for a in result_avals]
     shared = emit_device != outfeed.ALL_DEVICES
@@ -75,10 +75,8 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, to
     def zeros():
         return tuple(np.zeros(shape, dtype) for shape, dtype in shapes)
 
-    def call_on_host(partition, *arrays):
+    def call_on_host(partition, *arrays):  # on the calling device(s) only
         device = device_of(partition)
-        if emit_device not in (outfeed.ALL_DEVICES, device.id):
-            return zeros()
         try:
             answers = handover.call(device.id, consumer_id, arrays, timeout_s,
                                     platform=device.platform)
@@ -121,6 +119,20 @@ def _ir_type(aval) -> ir.Type:
     return ir.RankedTensorType.get(aval.shape, mlir.dtype_to_ir_type(np.dtype(aval.dtype)))
 
 
+def _int32(value):
+    return hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)), value)
+
+
+def _case(index, types: list, branches: tuple) -> list:
+    """The values of branches[index](), each branch a function that builds its values in MLIR;
+    an index past the last branch runs the last one (stablehlo.case)."""
+    case_op = hlo.CaseOp(types, index=index, num_branches=len(branches))
+    for region, branch in zip(case_op.regions, branches):
+        with ir.InsertionPoint(region.blocks.append()):
+            hlo.return_(branch())
+    return list(case_op.results)
+
+
 def _zeros(aval):
     zero = mlir.ir_constant(np.zeros((), aval.dtype))
     return hlo.broadcast_in_dim(_ir_type(aval), zero, [])
@@ -142,13 +154,9 @@ def _on_emitting_partition(ctx, emit_device: int, device_index: int, result_aval
     emits = hlo.compare(hlo.partition_id(), mlir.ir_constant(np.uint32(device_index)),
                         hlo.ComparisonDirectionAttr.get("EQ"),
                         compare_type=hlo.ComparisonTypeAttr.get("UNSIGNED"))
-    index = hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)), emits)
+    index = _int32(emits)
     types = [mlir.token_type(), *(_ir_type(a) for a in result_avals)]
-    case_op = hlo.CaseOp(types, index=index, num_branches=2)
-    for region, branch in zip(case_op.regions, (otherwise, emit)):  # index 1: the emitting one
-        with ir.InsertionPoint(region.blocks.append()):
-            hlo.return_(branch())
-    return list(case_op.results)
+    return _case(index, types, (otherwise, emit))  # index 1: the emitting device
 
 
 def _report_shared_timeout(reason: str) -> None:
@@ -186,12 +194,8 @@ def check(ctx, failed, values, *, consumer_id: int, op_sharding):
 
     # Python runs only where the call failed (a flag of 1 or more: an index past the last branch
     # runs the last one); a step that passes stays in XLA.
-    index = hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)), failed)
-    case_op = hlo.CaseOp([_ir_type(a) for a in avals], index=index, num_branches=2)
-    for region, branch in zip(case_op.regions, (lambda: [failed, *values], fail)):
-        with ir.InsertionPoint(region.blocks.append()):
-            hlo.return_(branch())
-    return list(case_op.results)
+    return _case(_int32(failed), [_ir_type(a) for a in avals],
+                 (lambda: [failed, *values], fail))
 
 
 def register_shard_callback(ctx) -> int:

@@ -168,6 +168,41 @@ def test_a_heavier_computation_in_a_call_function_under_a_sharded_jit_hangs():
     run_python(HEAVY_JAX_UNDER_SHARDED_JIT.format(), devices=4, timeout=20)
 
 
+HEAVY_JAX_WITH_A_TIMEOUT = PRELUDE + """
+heavy = jax.jit(lambda v: v * 3 + 0 * jnp.sum(jnp.ones((256, 256)) @ jnp.ones((256, 256))))
+ended = []
+def host(v):
+    out = np.asarray(heavy(np.asarray(v)))
+    ended.append(True)
+    return out
+try:
+    run(lambda x: hcb.call(host, x, result_shape=x, timeout=3.0), "sharded_jit")
+    outcome = "no error"
+except Exception as error:
+    outcome = str(error)
+later = []
+run(lambda x: hcb.id_tap(lambda v, _: later.append(float(v.sum())), x), "sharded_jit")
+hcb.barrier_wait()
+print(json.dumps({{"outcome": outcome, "function_ended": ended == [True], "later": later}}))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.needs_internals("calls in a jit over a sharded mesh")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_with_a_timeout_the_heavier_computation_fails_saying_why_and_the_receivers_go_on(
+        transport):
+    """The call's timeout fails the computation with an error that says why; the function's
+    JAX work then runs, the function returns (its answer dropped), and later taps arrive."""
+    process = run_python(HEAVY_JAX_WITH_A_TIMEOUT.format(), devices=4, timeout=60,
+                         env={"HOSTCALLBACK_TRANSPORT": transport})
+    result = _last_json(process)
+    assert "did not answer this call within its timeout of 3 s" in result["outcome"]
+    assert "block_until_ready" in result["outcome"]
+    assert result["function_ended"]
+    assert result["later"] == [float(sum(range(64)))]
+
+
 GUIDE = ROOT / "docs" / "architecture.md"
 
 

@@ -131,7 +131,13 @@ def run_workload(name: str, variants: list[str], steps: int, shape: tuple, repea
     return cost
 
 
-WORKLOADS = {"small", "large", "pmap", "sharded"}
+# name: (APIs it runs, which step count, shape of the value, calls a step)
+WORKLOADS = {
+    "small": (["debug.callback", "debug.print", "io_callback"], "steps", (), 1),
+    "large": (["debug.callback", "io_callback"], "large_steps", (1 << 20,), 1),
+    "pmap": (["debug.callback", "debug.print"], "steps/4", (), 4),
+    "sharded": (["debug.callback", "debug.print"], "steps/4", (), 1),
+}
 
 
 def variants(apis: list[str]) -> list[str]:
@@ -147,22 +153,15 @@ def main() -> None:
                         help="which workloads to run, comma-separated (default: all four)")
     args = parser.parse_args()
     chosen = set(args.workloads.split(","))
-    if chosen - WORKLOADS:
-        parser.error(f"unknown workloads {sorted(chosen - WORKLOADS)}; known: {sorted(WORKLOADS)}")
+    if unknown := chosen - WORKLOADS.keys():
+        parser.error(f"unknown workloads {sorted(unknown)}; known: {sorted(WORKLOADS)}")
     print(f"jax {jax.__version__}, Python {sys.version.split()[0]}, load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    every = ["debug.callback", "debug.print", "io_callback"]
-    if "small" in chosen:
-        run_workload("small", variants(every), args.steps, (), args.repeats, 1)
-    if "large" in chosen:
-        run_workload("large", variants(["debug.callback", "io_callback"]), args.large_steps,
-                     (1 << 20,), args.repeats, 1)
-    if "pmap" in chosen:
-        run_workload("pmap", variants(["debug.callback", "debug.print"]), args.steps // 4, (),
-                     args.repeats, 4)
-    if "sharded" in chosen:
-        run_workload("sharded", variants(["debug.callback", "debug.print"]), args.steps // 4, (),
-                     args.repeats, 1)
+    steps = {"steps": args.steps, "large_steps": args.large_steps, "steps/4": args.steps // 4}
+    for name, (apis, step_count, shape, calls_per_step) in WORKLOADS.items():
+        if name in chosen:
+            run_workload(name, variants(apis), steps[step_count], shape, args.repeats,
+                         calls_per_step)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from hostcallback import _jax as jx
-from hostcallback import handover
-from hostcallback import transport, wire
+from hostcallback import handover, transport, wire
 from hostcallback._native import outfeed
 from hostcallback.flavors import PURE_FLAVOR
 from hostcallback.transport.native import CALL_TARGET, TAP_TARGET  # registers the handlers

@@ -35,6 +35,7 @@ class _QueueStats(TypedDict):
     producers_waiting: int
     batches: int
     receiver_wakeups: int
+    receivers_waiting: int
     calls_waiting: int
     answers_unclaimed: int
 

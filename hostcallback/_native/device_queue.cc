@@ -188,7 +188,9 @@ std::string DeviceQueue::ClosedReason() {
 
 QueueStats DeviceQueue::Stats() {
   std::lock_guard<std::mutex> lock(mu_);
-  return stats_;
+  QueueStats now = stats_;
+  now.receivers_waiting = receivers_waiting_;
+  return now;
 }
 
 void DeviceQueue::ResetPeak() {

@@ -24,6 +24,7 @@ struct QueueStats {
   uint64_t producers_waiting = 0;
   uint64_t batches = 0;  // non-empty drains: records_delivered / batches is the mean batch
   uint64_t receiver_wakeups = 0;  // times a producer woke the receiver (a syscall on its thread)
+  uint64_t receivers_waiting = 0;  // drains waiting on the queue now, GIL released
 };
 
 // The records of one queue, oldest first, in a circular buffer that grows by doubling: a

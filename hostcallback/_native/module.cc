@@ -209,6 +209,7 @@ nb::dict StatsOf(int device, const std::string& platform) {
   d["producers_waiting"] = s.producers_waiting;
   d["batches"] = s.batches;
   d["receiver_wakeups"] = s.receiver_wakeups;
+  d["receivers_waiting"] = s.receivers_waiting;
   d["calls_waiting"] = calls_waiting;
   d["answers_unclaimed"] = answers_unclaimed;
   return d;

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import TEST_PLATFORM, drain_one, fresh_queue, run_python
+from helpers import TEST_PLATFORM, drain_one, fresh_queue, run_python, wait_until
 from jax import lax
 
 import hostcallback as hcb
@@ -405,6 +405,18 @@ def test_a_waiting_drain_gathers_the_records_that_follow_within_its_window():
     waiting.join(30)
     ((records, _),) = got
     assert [int(r[4][0]) for r in records] == [1, 2]  # one batch, not two wake-ups
+
+
+@pytest.mark.timeout(60)
+def test_stats_count_a_drain_as_waiting_until_a_record_ends_its_wait():
+    device = fresh_queue()
+    waiting = threading.Thread(target=lambda: drain(device, max_records=1))
+    waiting.start()
+    wait_until(lambda: outfeed.stats(device, platform=TEST_PLATFORM)["receivers_waiting"] == 1,
+               what="the drain to wait")
+    enqueue_values(device, 1)
+    waiting.join(30)
+    assert outfeed.stats(device, platform=TEST_PLATFORM)["receivers_waiting"] == 0
 
 
 @pytest.mark.parametrize("linger_s", [-1.0, float("nan"), 5.0])

@@ -2,10 +2,10 @@
 after finalization has begun parks instead of being ended by CPython (whose forced unwind through
 a noexcept frame aborted the process, rc 134). A thread already waiting for the GIL when
 finalization begins cannot be saved from outside CPython: exit makes sure none of ours is (the
-receivers stop, the barrier's computations finish), and the reproducer below waits in drain()
-long enough to come back only after finalization began. Each case runs in many fresh
-interpreters; HOSTCALLBACK_EXIT_RUNS sets how many for the cases that import JAX (50 by hand,
-see the "Reliability" document)."""
+receivers stop, the barrier's computations finish), and the reproducer below makes sure that
+finalization begins while its drain() waits, a second before the drain comes back. Each case
+runs in many fresh interpreters; HOSTCALLBACK_EXIT_RUNS sets how many for the cases that import
+JAX (50 by hand, see the "Reliability" document)."""
 
 import os
 
@@ -15,27 +15,39 @@ from helpers import run_python
 RUNS = int(os.environ.get("HOSTCALLBACK_EXIT_RUNS", "3"))
 
 DRAINING_WHILE_FINALIZATION_RUNS_ON = """
-    import threading, time
+    import os, sys, threading, time, types
     from hostcallback._native import outfeed
 
     def wait_in_drain():
         while True:
-            outfeed.drain(3, 16, 1 << 20, 0.2, platform="cpu")
+            outfeed.drain(3, 16, 1 << 20, 1.0, platform="cpu")
 
     class SlowToFinalize:
-        def __del__(self):
-            time.sleep(0.4)  # finalization runs on past the drain's timeout, GIL released
+        def __del__(self, sleep=time.sleep, write=os.write):
+            sleep(1.5)  # finalization runs on past the drain's timeout, GIL released
+            write(1, b"finalization ran on")
 
-    kept_until_finalization = SlowToFinalize()
+    # Held by a module of its own, which finalization clears (an object in __main__ was not
+    # finalized while the thread ran).
+    held = types.ModuleType("held_until_finalization")
+    held.slow = SlowToFinalize()
+    sys.modules[held.__name__] = held
+    del held
     threading.Thread(target=wait_in_drain, daemon=True).start()
-    time.sleep(0.05)
+    # Finalization begins while the drain waits without the GIL, a second before it comes back.
+    # (A drain that came back just before could be waiting for the GIL when finalization
+    # begins: the case that no one can save.)
+    while outfeed.stats(3, platform="cpu")["receivers_waiting"] == 0:
+        time.sleep(0.001)
     """
 
 
 @pytest.mark.timeout(300)
 def test_a_thread_waiting_in_drain_while_finalization_runs_on_does_not_abort():
-    results = [run_python(DRAINING_WHILE_FINALIZATION_RUNS_ON, timeout=60) for _ in range(50)]
-    assert [(r.returncode, r.stderr[-300:]) for r in results if r.returncode] == []
+    results = [run_python(DRAINING_WHILE_FINALIZATION_RUNS_ON, timeout=60) for _ in range(20)]
+    # The head of stderr: a sanitizer's report starts with the error and its stack.
+    assert [(r.returncode, r.stderr[:3000]) for r in results if r.returncode] == []
+    assert {r.stdout for r in results} == {"finalization ran on"}
 
 
 KEYBOARD_INTERRUPT_WITHOUT_A_BARRIER = """

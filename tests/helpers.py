@@ -12,6 +12,7 @@ import only what its tests import.
 
 import itertools
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -88,8 +89,9 @@ def run_cluster(tmp_path, worker: Path, steps: int, transport: str, run: str,
     from hostcallback.consumer.collector import CollectorThread
 
     server = CollectorThread(tmp_path / "collected").start()
+    # PYTHONFAULTHANDLER: a worker stopped with SIGABRT prints the stack of each of its threads.
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               HOSTCALLBACK_TRANSPORT=transport, JAX_PLATFORMS="cpu")
+               HOSTCALLBACK_TRANSPORT=transport, JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1")
     coordinator = free_port()
     try:
         workers = [subprocess.Popen(
@@ -98,6 +100,13 @@ def run_cluster(tmp_path, worker: Path, steps: int, transport: str, run: str,
             for process in range(2)]
         try:
             outputs = [w.communicate(timeout=240)[0] for w in workers]
+        except subprocess.TimeoutExpired:
+            for w in workers:
+                if w.poll() is None:
+                    w.send_signal(signal.SIGABRT)
+            outputs = [w.communicate(timeout=30)[0] for w in workers]
+            raise AssertionError("a worker did not finish within 240 s; the workers' output, "
+                                 "with the stacks of those stopped:\n" + "\n".join(outputs))
         finally:
             for w in workers:
                 if w.poll() is None:

@@ -1,14 +1,22 @@
-"""Calls made from Python (the callback transport): arguments and answers handed over without a
-copy.
+"""Taps and calls made from Python (the callback transport): large arrays and answers handed
+over without a copy.
 
-The device's Python callback already holds its arguments as numpy arrays of its own (JAX hands a
-host callback arrays that own their memory: tests/core/test_call_handover.py checks it), and
-waits for the answer. So its call record carries only a ticket (FLAG_HANDED_OVER_IN_PYTHON):
-the receiver takes the arguments from here by the ticket, calls the function, leaves the result
-arrays here under the same ticket, and wakes the caller through the core with an empty answer;
-the caller takes the arrays from here. The caller removes both entries when its wait ends,
-however it ends, and an answer whose caller no longer waits (timed out, stopped) is removed by
-the receiver at once: nothing is left behind.
+A call's record, and a large tap's, carries only a ticket (FLAG_HANDED_OVER_IN_PYTHON), and the
+arrays wait here under it:
+
+- A call waits for its answer: the receiver takes the arguments from here by the ticket, calls
+  the function, leaves the result arrays here under the same ticket, and wakes the caller through
+  the core with an empty answer; the caller takes the arrays from here. The caller removes both
+  entries when its wait ends, however it ends, and an answer whose caller no longer waits (timed
+  out, stopped) is removed by the receiver at once: nothing is left behind.
+- A tap returns at once, so only arrays that nothing else can change or free are handed over:
+  each must own its memory whole, as the arrays JAX's CPU client hands a host callback do
+  (tests/core/test_call_handover.py checks it). Its record weighs the arrays' bytes against the
+  queue's budget as if it held them (a full queue makes the device wait, as for any tap), and
+  the receiver takes them from here as it drains the record (with_tap_arrays). Taps under
+  TAP_HANDOVER_MIN_BYTES, and arrays over memory held by something else (on GPU, a capsule of
+  jaxlib's; in the portable mode, a jax.Array), are copied into the record as the native handler
+  copies.
 
 The caller reads the result arrays right after the function returned, on the device's thread:
 a function that changes an array after returning it may change what the device gets.
@@ -23,10 +31,51 @@ import numpy as np
 
 from hostcallback import wire
 from hostcallback._native import outfeed
+from hostcallback.record_layout import FLAGS, LEAVES
+
+# From here on a tap's copy into its record costs more than handing its arrays over.
+TAP_HANDOVER_MIN_BYTES = 1 << 16
 
 _tickets = itertools.count(1)  # next() is atomic under the GIL
 _arguments: dict[int, tuple[np.ndarray, ...]] = {}
 _answers: dict[int, list[np.ndarray]] = {}
+_taps: dict[int, tuple[np.ndarray, ...]] = {}
+# Masks a record's flags to tell a tap handed over (FLAG_HANDED_OVER_IN_PYTHON alone) from a call.
+_HANDED_OVER_TAP = wire.FLAG_HANDED_OVER_IN_PYTHON | wire.FLAG_EXPECTS_RESPONSE
+
+
+def tap(device: int, consumer_id: int, arrays: Sequence[np.ndarray], platform: str) -> None:
+    """Queues a tap of ``arrays`` as outfeed.enqueue does: handed over when large and each
+    owning its memory whole, else copied into the record."""
+    held_bytes = sum(a.nbytes for a in arrays)
+    if held_bytes < TAP_HANDOVER_MIN_BYTES or not all(_owns_its_memory(a) for a in arrays):
+        outfeed.enqueue(device, consumer_id, [wire.as_leaf(a) for a in arrays], platform=platform)
+        return
+    ticket = next(_tickets)
+    _taps[ticket] = tuple(_read_only(a) for a in arrays)
+    try:
+        outfeed.enqueue_handed_over(device, consumer_id, [wire.as_leaf(np.uint64(ticket))],
+                                    held_bytes, platform=platform)
+    except Exception:  # the core raises only for a record it did not queue
+        _taps.pop(ticket, None)
+        raise
+    # A KeyboardInterrupt is not caught: raised as the call returns, it may follow a record
+    # that went in, whose arrays must stay. So every queued record's arrays are here, and an
+    # empty dict means that no batch holds a handed-over tap (with_tap_arrays).
+
+
+def with_tap_arrays(batch: list) -> list:
+    """A drained batch whose handed-over taps carry their arrays (taken from here) in place of
+    their tickets; the batch itself when none is waiting."""
+    if not _taps:
+        return batch
+    for index, record in enumerate(batch):
+        if (record[FLAGS] & _HANDED_OVER_TAP == wire.FLAG_HANDED_OVER_IN_PYTHON
+                and record[LEAVES].__class__ is not str):  # (a reason: the receiver reports it)
+            arrays = _taps.pop(ticket_of(record[LEAVES]),
+                               "its arrays, handed over in Python, were not there")
+            batch[index] = (*record[:LEAVES], arrays, *record[LEAVES + 1:])
+    return batch
 
 
 def call(device: int, consumer_id: int, arrays: Sequence[np.ndarray], timeout_s: float,
@@ -46,7 +95,7 @@ def call(device: int, consumer_id: int, arrays: Sequence[np.ndarray], timeout_s:
 
 
 def ticket_of(leaves: Sequence[np.ndarray]) -> int:
-    """The ticket of a call record with FLAG_HANDED_OVER_IN_PYTHON: its one leaf."""
+    """The ticket of a record with FLAG_HANDED_OVER_IN_PYTHON: its one leaf."""
     return int(leaves[0])
 
 
@@ -65,6 +114,15 @@ def respond(platform: str, device: int, sequence: int, ticket: int,
     finally:
         if not delivered:  # its caller gave up waiting, or the core refused the answer
             _answers.pop(ticket, None)
+
+
+def _owns_its_memory(array: np.ndarray) -> bool:
+    """Whether the array views all of the memory of an array that owns it (not a part of a
+    larger array, whose rest it would keep alive unweighed, nor memory something else holds)."""
+    root = array
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    return root.base is None and root.flags.owndata and root.nbytes == array.nbytes
 
 
 def _read_only(array) -> np.ndarray:

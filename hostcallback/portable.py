@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from hostcallback import _jax as jx
-from hostcallback import handover, transport, wire
+from hostcallback import handover, transport
 from hostcallback._native import outfeed
 from hostcallback.flavors import PURE_FLAVOR
 from hostcallback.transport.native import CALL_TARGET, TAP_TARGET  # registers the handlers
@@ -47,8 +47,7 @@ def host_device():
 def _enqueue_on_host(consumer_id: int):
     def enqueue(*arrays):
         device = host_device()
-        outfeed.enqueue(device.id, consumer_id, [wire.as_leaf(np.asarray(a)) for a in arrays],
-                        platform=device.platform)
+        handover.tap(device.id, consumer_id, [np.asarray(a) for a in arrays], device.platform)
     return enqueue
 
 

@@ -218,8 +218,10 @@ class ReceiverPool:
                                                    _POLL_SECONDS, platform=platform,
                                                    coalesce_s=_COALESCE_SECONDS,
                                                    linger_s=_LINGER_SECONDS)
+                    batch = handover.with_tap_arrays(batch)
                 except Exception as error:  # noqa: BLE001 - e.g. MemoryError; records not yet
-                    # taken stay queued, a batch already taken is lost (the barrier says why)
+                    # taken stay queued, a batch already taken is lost (the barrier says why;
+                    # the arrays of its handed-over taps stay in handover.py)
                     self.failures.record("receiver", "drain()", device, error)
                     if self._stopping.is_set():  # stop() joins us: a failing drain ends here
                         return

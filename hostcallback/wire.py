@@ -23,7 +23,8 @@ ALIGNMENT = outfeed.WIRE_ALIGNMENT
 FIXED_HEADER = struct.Struct("<IHHQIIQIIQ")  # magic version flags consumer device count seq hdr rsv size
 DESCRIPTOR = struct.Struct("<BBHIQ")  # dtype reserved ndim reserved byte_size, then int64 dims
 FLAG_EXPECTS_RESPONSE = outfeed.FLAG_EXPECTS_RESPONSE  # a `call`: the device waits for the answer
-# A call made from Python: its arguments and answer are handed over there (handover.py).
+# A tap or call made from Python: its arrays (and a call's answer) are handed over there
+# (handover.py).
 FLAG_HANDED_OVER_IN_PYTHON = outfeed.FLAG_HANDED_OVER_IN_PYTHON
 # The structs above spell out the C++ core's layout field by field; their sizes must be its.
 assert FIXED_HEADER.size == outfeed.WIRE_FIXED_HEADER_BYTES

@@ -87,6 +87,13 @@ def drain_raw(
 def enqueue(
     device: int, consumer_id: int, leaves: Sequence[_Leaf], platform: str = "cpu"
 ) -> None: ...
+def enqueue_handed_over(
+    device: int,
+    consumer_id: int,
+    leaves: Sequence[_Leaf],
+    held_bytes: int,
+    platform: str = "cpu",
+) -> None: ...
 def call(
     device: int,
     consumer_id: int,

@@ -30,8 +30,8 @@ inline constexpr size_t kHeaderSizeOffset = 32;
 inline constexpr size_t kRecordSizeOffset = 40;
 
 inline constexpr uint16_t kFlagExpectsResponse = 1;  // a `call`: the device waits for the answer
-// A call made from Python (the callback transport): its record holds a ticket, not the
-// arguments, and its arguments and answer are handed over in Python, without a copy
+// A tap or call made from Python (the callback transport): its record holds a ticket, not the
+// arrays, which are handed over in Python without a copy, as a call's answer is
 // (hostcallback/handover.py).
 inline constexpr uint16_t kFlagHandedOverInPython = 2;
 inline constexpr uint64_t kBarrierMarkerId = 0;      // the consumer id of a barrier marker

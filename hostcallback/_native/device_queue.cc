@@ -40,7 +40,7 @@ void RecordRing::Grow() {
 int64_t DeviceQueue::Push(Record record, bool expects_response, bool urgent, double timeout_s) {
   std::unique_lock<std::mutex> lock(mu_);
   const uint64_t ticket = next_ticket_++;
-  auto admitted = [&] { return closed_ || (ticket <= admitted_ && Fits(record.size)); };
+  auto admitted = [&] { return closed_ || (ticket <= admitted_ && Fits(BudgetBytes(record))); };
   if (!admitted()) {
     auto start = std::chrono::steady_clock::now();
     stats_.producers_waiting += 1;
@@ -81,8 +81,8 @@ int64_t DeviceQueue::Push(Record record, bool expects_response, bool urgent, dou
   next_sequence_ += 1;
   Admit(ticket);
   (IsBarrierMarker(record) ? stats_.markers_enqueued : stats_.records_enqueued) += 1;
-  stats_.bytes_enqueued += record.size;
-  stats_.bytes_queued += record.size;
+  stats_.bytes_enqueued += BudgetBytes(record);
+  stats_.bytes_queued += BudgetBytes(record);
   stats_.peak_bytes_queued = std::max(stats_.peak_bytes_queued, stats_.bytes_queued);
   if (urgent) urgent_queued_ += 1;
   // Wake the receiver only when it sleeps and, while it gathers a batch, only when the batch
@@ -138,7 +138,7 @@ std::vector<Record> DeviceQueue::Pop(size_t max_records, size_t max_bytes, doubl
   size_t markers = 0;
   while (!records_.empty() && out.size() < max_records && (out.empty() || bytes < max_bytes)) {
     out.push_back(records_.front());
-    bytes += records_.front().size;
+    bytes += BudgetBytes(records_.front());
     if (records_.front().urgent) {
       urgent_queued_ -= 1;
       markers += IsBarrierMarker(records_.front()) ? 1 : 0;  // markers are urgent records
@@ -290,8 +290,10 @@ void SetQueueBudget(uint64_t max_queue_bytes) {
 // ---- joining a queue --------------------------------------------------------------------------
 
 int64_t Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
-                uint16_t flags, double timeout_s, xla::ffi::ThreadPool* pool) {
+                uint16_t flags, double timeout_s, xla::ffi::ThreadPool* pool,
+                uint64_t held_bytes) {
   Record record = EncodeRecord(consumer_id, static_cast<uint32_t>(device), arrays, flags, pool);
+  record.held_bytes = held_bytes;
   const bool expects_response = (flags & kFlagExpectsResponse) != 0;
   int64_t pushed = DeviceQueue::kClosed;
   try {

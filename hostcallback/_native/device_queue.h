@@ -176,9 +176,10 @@ void SetQueueBudget(uint64_t max_queue_bytes);
 // The record's sequence number, or DeviceQueue::kClosed or kTimedOut (WhyNotEnqueued says
 // why: no message is built for a tap that went in). timeout_s bounds the wait for room (a
 // `call`'s timeout; 0: forever). Throws bad_alloc when the record cannot be allocated; the
-// record never leaks.
+// record never leaks. held_bytes: see Record.
 int64_t Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
-                uint16_t flags = 0, double timeout_s = 0, xla::ffi::ThreadPool* pool = nullptr);
+                uint16_t flags = 0, double timeout_s = 0, xla::ffi::ThreadPool* pool = nullptr,
+                uint64_t held_bytes = 0);
 
 std::string WhyNotEnqueued(DeviceQueue* queue, int64_t pushed, double timeout_s);
 

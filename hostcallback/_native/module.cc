@@ -113,17 +113,30 @@ nb::tuple Drain(int device, size_t max_records, size_t max_bytes, double timeout
 }
 
 // The callback transport's tap: the same record, from the device's Python callback.
-void EnqueueFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves,
-                     const std::string& platform) {
+// flags and held_bytes: those of a tap handed over in Python (EnqueueHandedOver).
+void EnqueueFromPython(int device, uint64_t consumer_id, const HostLeaves& leaves,
+                       const std::string& platform, uint16_t flags, uint64_t held_bytes) {
   DeviceQueue* queue = CheckedQueue(platform, device);
   std::vector<ArrayView> arrays = ViewsOf(leaves);
   int64_t pushed;
   {
     GilReleased released;
     FlushOwnReleases();
-    pushed = Enqueue(queue, device, consumer_id, arrays);
+    pushed = Enqueue(queue, device, consumer_id, arrays, flags, 0, nullptr, held_bytes);
   }
   if (pushed < 0) throw std::runtime_error(WhyNotEnqueued(queue, pushed, 0));
+}
+
+void EnqueueFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves,
+                     const std::string& platform) {
+  EnqueueFromPython(device, consumer_id, leaves, platform, 0, 0);
+}
+
+// A tap handed over in Python (kFlagHandedOverInPython): the leaves are its ticket,
+// hostcallback/handover.py holds its arrays, and the budget counts their held_bytes.
+void EnqueueHandedOver(int device, uint64_t consumer_id, const HostLeaves& leaves,
+                       uint64_t held_bytes, const std::string& platform) {
+  EnqueueFromPython(device, consumer_id, leaves, platform, kFlagHandedOverInPython, held_bytes);
 }
 
 // A uint8 array that owns the bytes, so a large answer reaches Python without another copy.
@@ -274,6 +287,11 @@ void DefineModule(nb::module_& m) {
         nb::arg("platform") = kNativePlatform,
         "Appends one record built from (dtype_code, dims, bytes) leaves; waits while the queue "
         "is full.");
+  m.def("enqueue_handed_over", &EnqueueHandedOver, nb::arg("device"), nb::arg("consumer_id"),
+        nb::arg("leaves"), nb::arg("held_bytes"), nb::arg("platform") = kNativePlatform,
+        "As enqueue, for a tap whose leaves are its ticket and whose arrays, held_bytes of them, "
+        "wait in Python under that ticket (FLAG_HANDED_OVER_IN_PYTHON, hostcallback.handover); "
+        "the queue's budget counts them until the record is drained.");
   m.attr("CALL_TIMEOUT_PREFIX") = kTimeoutPrefix;
   m.def("call", &CallFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),
         nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,

@@ -62,7 +62,13 @@ struct Record {
   size_t capacity = 0;
   bool outside_pool = false;  // larger than the pool could keep: freed, never pooled
   bool urgent = false;  // a call or a barrier marker: its queue wakes the receiver at once
+  // Bytes of arrays the record stands for that are held elsewhere (a tap handed over in Python,
+  // kFlagHandedOverInPython): its queue's budget counts them with the record's own.
+  uint64_t held_bytes = 0;
 };
+
+// What a record weighs against its queue's byte budget.
+inline uint64_t BudgetBytes(const Record& record) { return record.size + record.held_bytes; }
 
 // Whether a record is a barrier marker (consumer id kBarrierMarkerId, at byte 8 of its header).
 inline bool IsBarrierMarker(const Record& record) {

@@ -2,8 +2,8 @@
 
 For platforms where our native handler is not registered (GPU and TPU today), or when
 ``HOSTCALLBACK_TRANSPORT=callback``. JAX hands the callback numpy arrays on the device's thread;
-we copy them into the same outfeed queue the native handler writes, so the same receivers
-deliver them. The callback never builds a jax.Array (that path hangs with several CPU devices
+we copy them into the same outfeed queue the native handler writes (or hand large ones over:
+hostcallback/handover.py), so the same receivers deliver them. The callback never builds a jax.Array (that path hangs with several CPU devices
 and large arguments, jax#25861) and never calls the consumer itself.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 from hostcallback import _jax as jx
-from hostcallback import handover, wire
+from hostcallback import handover
 from hostcallback._jax import hlo, ir, mlir
 from hostcallback.errors import describe_error
 from hostcallback._native import outfeed
@@ -43,8 +43,7 @@ def tap(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, tok
 
     def enqueue_on_host(partition, *arrays):  # on the emitting device(s) only
         device = device_of(partition)
-        outfeed.enqueue(device.id, consumer_id, [wire.as_leaf(a) for a in arrays],
-                        platform=device.platform)
+        handover.tap(device.id, consumer_id, arrays, device.platform)
         return ()
 
     def emit():
@@ -215,8 +214,7 @@ def register_shard_callback(ctx) -> int:
 
     def enqueue_shard(token, consumer_id, partition, *arrays):
         device = device_of(partition)
-        outfeed.enqueue(device.id, int(consumer_id), [wire.as_leaf(a) for a in arrays],
-                        platform=device.platform)
+        handover.tap(device.id, int(consumer_id), arrays, device.platform)
         return (token,)
 
     return jx.add_host_callback(ctx, enqueue_shard)

@@ -6,8 +6,7 @@ import numpy as np
 import pytest
 
 import hostcallback as hcb
-import hostcallback.transport.callback as callback_transport
-from hostcallback import config
+from hostcallback import config, handover
 from hostcallback.registry import BARRIER_MARKER_ID
 
 JAX_CALLBACK_TARGET = "xla_ffi_python_cpu_callback"
@@ -39,7 +38,8 @@ def test_the_callback_transport_lowers_to_jax_host_callbacks():
 
 
 class _CountingOutfeed:
-    """Stands in for the native module inside the callback transport; counts enqueues."""
+    """Stands in for the native module where the callback transport's taps are queued
+    (handover.py); counts enqueues."""
 
     def __init__(self, real):
         self._real, self.consumer_ids = real, []
@@ -56,8 +56,8 @@ class _CountingOutfeed:
 @pytest.mark.needs_internals("barrier markers sent by computations on the transport in use (its "
                              "barrier puts the markers in the queues from the host)")
 def test_barrier_markers_use_the_transport_in_use_now(monkeypatch):
-    counting = _CountingOutfeed(callback_transport.outfeed)
-    monkeypatch.setattr(callback_transport, "outfeed", counting)
+    counting = _CountingOutfeed(handover.outfeed)
+    monkeypatch.setattr(handover, "outfeed", counting)
     jax.jit(lambda x: hcb.id_tap(lambda *a: None, x))(1.0)  # starts the receivers
     with config.override(transport="native"):
         hcb.barrier_wait()

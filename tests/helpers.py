@@ -1,6 +1,6 @@
 """What the tests share, written once: fresh interpreters and pytest runs, waiting for a condition,
-a free port, a queue of the C++ core of one's own, a two-process cluster, and the tap function
-behind the ``collector`` fixture.
+what owns an array's memory, a free port, a queue of the C++ core of one's own, a two-process
+cluster, and the tap function behind the ``collector`` fixture.
 
 Every test imports these one way, ``from helpers import ...``: tests/ is on ``sys.path`` because
 tests/conftest.py lives there (pytest's default prepend import mode), so the test folders need no
@@ -51,6 +51,16 @@ def run_pytest(project, *args: str) -> subprocess.CompletedProcess:
                           env=environment, check=False)
 
 
+def memory_owner(array):
+    """The object at the end of a numpy array's chain of bases: the array that owns its memory,
+    or what else keeps that memory (a record's owner, for an array decoded from a record)."""
+    import numpy as np
+
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array if array.base is None else array.base
+
+
 def wait_until(predicate, timeout: float = 20.0, what: str = "the condition") -> None:
     """Polls ``predicate`` until it holds; fails the test, naming ``what``, if it does not within
     ``timeout`` seconds."""
@@ -98,15 +108,17 @@ def run_cluster(tmp_path, worker: Path, steps: int, transport: str, run: str,
             [sys.executable, str(worker), str(coordinator), str(process), str(server.port),
              str(steps)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for process in range(2)]
+        deadline = time.monotonic() + 200  # all of them, leaving the stacks time within 300 s
         try:
-            outputs = [w.communicate(timeout=240)[0] for w in workers]
+            outputs = [w.communicate(timeout=max(0.1, deadline - time.monotonic()))[0]
+                       for w in workers]
         except subprocess.TimeoutExpired:
             for w in workers:
                 if w.poll() is None:
                     w.send_signal(signal.SIGABRT)
             outputs = [w.communicate(timeout=30)[0] for w in workers]
-            raise AssertionError("a worker did not finish within 240 s; the workers' output, "
-                                 "with the stacks of those stopped:\n" + "\n".join(outputs))
+            raise AssertionError("the workers did not finish within 200 s; their output, with "
+                                 "the stacks of those stopped:\n" + "\n".join(outputs))
         finally:
             for w in workers:
                 if w.poll() is None:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import TEST_PLATFORM, fresh_queue
+from helpers import TEST_PLATFORM, fresh_queue, memory_owner
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -19,14 +19,6 @@ from hostcallback._native import outfeed
 from hostcallback.record_layout import FLAGS, LEAVES
 
 LARGE = handover.TAP_HANDOVER_MIN_BYTES
-
-
-def memory_owner(array: np.ndarray):
-    """The object at the end of an array's chain of bases: the array that owns its memory, or
-    what else keeps that memory (a record's owner, for an array decoded from a record)."""
-    while isinstance(array.base, np.ndarray):
-        array = array.base
-    return array if array.base is None else array.base
 
 
 def drained(device: int) -> list:
@@ -84,31 +76,30 @@ def test_the_queue_budget_counts_the_arrays_a_handed_over_tap_stands_for():
     assert outfeed.stats(device, platform=TEST_PLATFORM)["bytes_queued"] == 0
 
 
-def copied_into_the_record(device: int, arrays: list) -> bool:
-    """Taps ``arrays`` through handover.tap; whether its record holds them (and equal)."""
+def assert_copied_into_the_record(device: int, arrays: list) -> None:
+    """Taps ``arrays`` through handover.tap and checks that its record holds copies of them."""
     handover.tap(device, 7, arrays, TEST_PLATFORM)
     (record,) = drained(device)
-    got = record[LEAVES]
-    for leaf, array in zip(got, arrays):
+    assert record[FLAGS] == 0
+    assert handover._taps == {}
+    for leaf, array in zip(record[LEAVES], arrays, strict=True):
         np.testing.assert_array_equal(leaf, array)
         assert not np.shares_memory(leaf, array)
-    return record[FLAGS] == 0 and handover._taps == {}
 
 
 def test_a_large_array_over_memory_it_does_not_own_is_copied():
     buffer = bytearray(LARGE)  # as under an XLA or jax.Array buffer: memory numpy does not own
-    assert copied_into_the_record(fresh_queue(), [np.frombuffer(buffer, np.uint8)])
+    assert_copied_into_the_record(fresh_queue(), [np.frombuffer(buffer, np.uint8)])
 
 
 def test_a_large_part_of_a_larger_array_is_copied():
     whole = np.arange(4 * LARGE, dtype=np.uint8)  # handed over, it would keep all 4 alive
-    assert copied_into_the_record(fresh_queue(), [whole[:LARGE]])
+    assert_copied_into_the_record(fresh_queue(), [whole[:LARGE]])
 
 
 def test_a_tap_of_owned_and_not_owned_arrays_is_copied_whole():
-    device = fresh_queue()
-    assert copied_into_the_record(device, [np.zeros(LARGE, np.uint8),
-                                           np.frombuffer(bytearray(LARGE), np.uint8)])
+    assert_copied_into_the_record(fresh_queue(), [np.zeros(LARGE, np.uint8),
+                                                  np.frombuffer(bytearray(LARGE), np.uint8)])
 
 
 def test_a_handed_over_tap_on_a_failed_queue_raises_the_reason_and_leaves_nothing_behind():
@@ -129,17 +120,21 @@ def test_large_taps_behind_a_slow_consumer_make_the_device_wait_within_the_budge
         values.append(int(value[0]))
 
     step = jax.jit(lambda x: hcb.id_tap(slow, x))
+    device = jax.local_devices()[0]
     with hcb.config.override(transport="callback", max_queue_bytes=budget):
         step(jnp.zeros(LARGE // 4, jnp.float32))
         hcb.barrier_wait()
         values.clear()
         hcb.reset_peak_bytes_queued()
+        waits_before = hcb.queue_stats()[device]["waits"]
         for i in range(40):
             step(jnp.full(LARGE // 4, i, jnp.float32))
         hcb.barrier_wait()
-        stats = hcb.queue_stats()[jax.local_devices()[0]]
+        stats = hcb.queue_stats()[device]
     assert values == list(range(40))
-    assert stats["peak_bytes_queued"] <= budget and stats["waits"] > 0
+    # The queue filled up with what the tickets stand for (not their small records) and no more.
+    assert 2 * LARGE <= stats["peak_bytes_queued"] <= budget
+    assert stats["waits"] > waits_before
     assert handover._taps == {}
 
 
@@ -171,7 +166,7 @@ def test_partitioned_large_taps_hand_each_device_its_own_shard():
     def keep(shard, transforms, device):
         ((_, info),) = transforms
         ((offset,),) = info["offset"]  # of the one leaf, in its one dimension
-        seen[device.id] = (offset, np.array(shard))
+        seen[device.id] = (offset, shard)
 
     with hcb.config.override(transport="callback"):
         jax.jit(lambda v: hcb.id_tap(keep, v, tap_with_device=True, partitioned=True))(x)
@@ -179,4 +174,5 @@ def test_partitioned_large_taps_hand_each_device_its_own_shard():
     assert len(seen) == 4
     for offset, shard in seen.values():
         np.testing.assert_array_equal(shard, whole[offset:offset + len(shard)])
+        assert isinstance(memory_owner(shard), np.ndarray)  # handed over, not a record's copy
     assert handover._taps == {}

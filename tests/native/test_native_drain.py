@@ -410,12 +410,13 @@ def test_a_waiting_drain_gathers_the_records_that_follow_within_its_window():
 @pytest.mark.timeout(60)
 def test_stats_count_a_drain_as_waiting_until_a_record_ends_its_wait():
     device = fresh_queue()
-    waiting = threading.Thread(target=lambda: drain(device, max_records=1))
+    got = []
+    waiting = threading.Thread(target=lambda: got.append(drain(device, max_records=1)))
     waiting.start()
     wait_until(lambda: outfeed.stats(device, platform=TEST_PLATFORM)["receivers_waiting"] == 1,
                what="the drain to wait")
     enqueue_values(device, 1)
-    waiting.join(30)
+    assert batch_taken(waiting, got) == ([1], [])
     assert outfeed.stats(device, platform=TEST_PLATFORM)["receivers_waiting"] == 0
 
 

@@ -4,7 +4,7 @@ Usage: python multiprocess_sharded_worker.py COORDINATOR_PORT PROCESS_ID COLLECT
 Joins a 2-process JAX cluster on localhost (2 CPU devices each) and runs a sharded jit step, as
 JAX teaches it (jax.set_mesh, no shard_map), that taps the whole value from device_index 0 (on
 process 0) and from device_index 3 (on process 1), and each device's shard with partitioned=True;
-every tap streams to one collector.
+every tap streams to one collector. Each step waits for the one before (see the loop).
 """
 
 import sys
@@ -41,7 +41,9 @@ with jax.set_mesh(mesh):
                                      lambda index: np.arange(8, dtype=np.float32)[index])
     step_jit = jax.jit(step_fn)
     for step in range(steps):
-        x = step_jit(x, jnp.int32(step))
+        # Each step waits for the one before: steps dispatched back to back stopped inside XLA's
+        # CPU client in 2 of 6 full-suite runs (docs/architecture.md, JAX inside consumers).
+        x = step_jit(x, jnp.int32(step)).block_until_ready()
 hcb.barrier_wait()
 sink.close()
 print("done", process_id, flush=True)

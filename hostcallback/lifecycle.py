@@ -191,17 +191,15 @@ class Lifecycle:
             self._send_markers_outside_user_mesh(marker)
 
     def _send_markers_from_host(self, marker: int) -> None:
-        """The portable mode's barrier: once JAX's effects barrier has seen every computation
-        dispatched so far finish (their taps are then queued), a marker enqueued from the host
-        comes after all of them, on every device (``marker + 1`` too where a barrier expects
-        two)."""
-        try:
-            jax.effects_barrier()
-        except Exception:  # noqa: BLE001 - a computation failed (its caller was told); JAX
-            # raises that again at every later effects barrier without waiting for the rest,
-            # so marker computations on every device wait for what was dispatched before.
-            with jx.outside_user_mesh():
-                self._send_markers_outside_user_mesh(marker + _FENCE_OFFSET)
+        """The portable mode's barrier: once a fence computation on every device has finished
+        (each runs after what was dispatched to its device before it, from any thread, so the
+        taps of those computations are queued), a marker enqueued from the host comes after all
+        of them, on every device (``marker + 1`` too where a barrier expects two).
+        ``jax.effects_barrier()`` would not do: JAX keeps its effect tokens per thread, and a
+        barrier with a timeout, or one called from another thread, runs on a thread that did not
+        dispatch those computations."""
+        with jx.outside_user_mesh():
+            self._send_markers_outside_user_mesh(marker + _FENCE_OFFSET)
         grouped = self._pool.platform_groups()
         for (platform, ordinal) in self._pool.devices:
             values = [marker, marker + 1] if len(grouped[platform]) > 1 else [marker]

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import hostcallback as hcb
 
@@ -28,6 +30,30 @@ def test_barrier_waits_for_taps_of_computations_still_running(transport, collect
 
     jax.jit(long_computation)(jnp.eye(256))  # dispatched, not awaited
     hcb.barrier_wait()
+    assert len(collector.values) == 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.needs_internals("taps in a jit over a sharded mesh", transport="native")
+@pytest.mark.parametrize("waiting", ["with a timeout", "from another thread"])
+def test_barrier_waits_for_taps_of_a_sharded_computation_still_running(transport, collector,
+                                                                       waiting):
+    mesh = jax.make_mesh((4,), ("d",))
+    x = jax.device_put(jnp.ones(1 << 20), NamedSharding(mesh, P("d")))
+
+    def long_computation(x):
+        x = lax.fori_loop(0, 200, lambda i, c: jnp.sin(c) + 1.0, x)
+        return hcb.id_tap(collector, x.sum())
+
+    out = jax.jit(long_computation)(x)  # dispatched, not awaited
+    assert not out.is_ready()
+    # Both wait on a thread other than the one that dispatched the computation.
+    if waiting == "with a timeout":
+        hcb.barrier_wait(timeout=60)
+    else:
+        waiter = threading.Thread(target=hcb.barrier_wait)
+        waiter.start()
+        waiter.join(60)
     assert len(collector.values) == 1
 
 

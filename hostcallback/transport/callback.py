@@ -3,8 +3,9 @@
 For platforms where our native handler is not registered (GPU and TPU today), or when
 ``HOSTCALLBACK_TRANSPORT=callback``. JAX hands the callback numpy arrays on the device's thread;
 we copy them into the same outfeed queue the native handler writes (or hand large ones over:
-hostcallback/handover.py), so the same receivers deliver them. The callback never builds a jax.Array (that path hangs with several CPU devices
-and large arguments, jax#25861) and never calls the consumer itself.
+hostcallback/handover.py), so the same receivers deliver them. The callback never builds a
+jax.Array (that path hangs with several CPU devices and large arguments, jax#25861) and never
+calls the consumer itself.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ next step, the way a training loop runs. Variants: no tap; a tap of the loss tha
 a tap of the loss and the 256 KiB gradient every step; a tap inside a cond that never fires (what
 every 'print every N steps' costs on the other steps) beside the same cond without a tap (what
 XLA's conditional costs by itself); each for hostcallback (default and ordered=True, and the
-callback transport, which GPU and TPU run today) and jax.debug.callback.
+callback transport, which GPU and TPU run today) and jax.debug.callback. By default a step's
+results are ready only once its taps were handled; "hostcallback async" is the same tap with
+delivery="async", where they are ready at once.
 
 "added %" is the cost relative to the step without a tap: the median over the rounds of each
 round's ratio, with the quartiles of those ratios beside it to show how much the machine moved it.
@@ -60,6 +62,9 @@ def make_step(tap, uses_result=False):
 
 
 CONTROL = "jax cond, no tap (control)"
+# Variants compiled with delivery="async": results ready at once, taps following (what every
+# variant was before ready-means-handled); the others end each step once its taps were handled.
+ASYNC = {"hostcallback async, every step"}
 TAPS = {
     "no tap": lambda loss, g: None,
     "hostcallback, every step": lambda loss, g: hcb.id_tap(discard, loss),
@@ -71,6 +76,7 @@ TAPS = {
     "hostcallback ordered, every step": lambda loss, g: hcb.id_tap(discard, loss, ordered=True),
     "hostcallback ordered, never fires": lambda loss, g: lax.cond(
         loss < -1, lambda: (hcb.id_tap(discard, loss, ordered=True), None)[1], lambda: None),
+    "hostcallback async, every step": lambda loss, g: hcb.id_tap(discard, loss),
     "callback transport, every step": on_callback_transport(
         lambda loss, g: hcb.id_tap(discard, loss)),
     "callback transport, never fires": on_callback_transport(lambda loss, g: lax.cond(
@@ -91,8 +97,9 @@ def main(argv=None) -> dict[str, float]:
         parser.error("--rounds must be at least 2: the spread needs two rounds")
     steps = {name: make_step(tap, uses_result=name == CONTROL) for name, tap in TAPS.items()}
     w0 = jnp.ones((256, 256)) * 0.01
-    for step in steps.values():
-        step(w0).block_until_ready()
+    for name, step in steps.items():  # compiled here, each with its delivery
+        with config.override(delivery="async" if name in ASYNC else "handled"):
+            step(w0).block_until_ready()
     hcb.barrier_wait()
     times: dict[str, list[float]] = {name: [] for name in steps}
     receiver = dict.fromkeys(steps, 0.0)

@@ -11,6 +11,10 @@ import os
 from collections.abc import Iterator
 
 TRANSPORTS = ("native", "callback")
+# "handled": a computation's results are ready once its taps have been handled (the default, as
+# JAX's own callbacks); "dispatch": also the call that dispatches it returns only then (as JAX's
+# callbacks on CPU); "async": results are ready as soon as the device is done, taps follow.
+DELIVERIES = ("handled", "dispatch", "async")
 
 
 def _env_int(name: str, default: int) -> int:
@@ -47,6 +51,15 @@ def env_bool(name: str, default: bool) -> bool:
     raise ValueError(f"{name}={raw!r}: use 1/true/yes/on or 0/false/no/off")
 
 
+def _env_delivery() -> str:
+    raw = os.environ.get("HOSTCALLBACK_DELIVERY", "").strip().lower()
+    if raw == "":
+        return "handled"
+    if raw not in DELIVERIES:
+        raise ValueError(f"HOSTCALLBACK_DELIVERY={raw!r}: choose one of {', '.join(DELIVERIES)}")
+    return raw
+
+
 def _env_transport() -> str | None:
     raw = os.environ.get("HOSTCALLBACK_TRANSPORT", "").strip().lower()
     if raw == "":
@@ -65,6 +78,8 @@ class Settings:
     # Default of the taps' ``ordered`` keyword: strict program order across loops, branches and
     # calls, at the price of JAX's slower dispatch for computations that hold such taps.
     ordered: bool = dataclasses.field(default_factory=lambda: env_bool("HOSTCALLBACK_ORDERED", False))
+    # When a computation's results are ready: once its taps were handled, or at once ("async").
+    delivery: str = dataclasses.field(default_factory=_env_delivery)
     # Byte budget of each device's outfeed queue; a full queue makes the device wait.
     max_queue_bytes: int = dataclasses.field(
         default_factory=lambda: _env_int("HOSTCALLBACK_MAX_QUEUE_BYTES", 256 << 20))
@@ -77,8 +92,14 @@ settings = Settings()
 
 
 def configure(*, transport: str | None = None, ordered: bool | None = None,
-              max_queue_bytes: int | None = None, exit_timeout_s: float | None = None) -> None:
-    """Changes settings for taps traced from now on (the queue budget applies at once)."""
+              max_queue_bytes: int | None = None, exit_timeout_s: float | None = None,
+              delivery: str | None = None) -> None:
+    """Changes settings for taps traced from now on (the queue budget applies at once; a
+    delivery applies to computations compiled from now on)."""
+    if delivery is not None:
+        if delivery not in DELIVERIES:
+            raise ValueError(f"delivery={delivery!r}: choose one of {', '.join(DELIVERIES)}")
+        settings.delivery = delivery
     if ordered is not None:
         settings.ordered = bool(ordered)
     if transport is not None:
@@ -105,5 +126,6 @@ def override(**changes) -> Iterator[Settings]:
         yield settings
     finally:
         configure(transport=before.transport or None, ordered=before.ordered,
-                  max_queue_bytes=before.max_queue_bytes, exit_timeout_s=before.exit_timeout_s)
+                  max_queue_bytes=before.max_queue_bytes, exit_timeout_s=before.exit_timeout_s,
+                  delivery=before.delivery)
         settings.transport = before.transport

@@ -1,13 +1,17 @@
 """Start, barrier and stop: the host side's life, above both the receivers and the tap primitive.
 
-The receivers start the first time a tap is traced. ``barrier_wait`` sends marker computations
-(taps of the barrier's own consumer, built with ``binding``) and waits until every device's
-receiver has handled them. XLA's CPU client runs single-device computations one after another
-(client-wide) and multi-device computations one after another, but the two kinds independently
-of each other. So each barrier sends one single-device marker to every device and one marker
-computation over all local devices: each kind of computation dispatched before the barrier
-finished, and its taps were handled, before the marker of its kind. Then the flush hooks run
-(sinks that buffer: a barrier also means "written") and consumer failures are raised.
+The receivers start the first time a tap is traced. ``barrier_wait`` covers every tapped
+computation dispatched before it, from any thread, although XLA's CPU client orders
+single-device computations only per dispatching thread (and launches those over several devices
+one after another, client-wide). It waits, in turn, for a probe per device dispatched from the
+calling thread (ready after what this thread dispatched there before); for the tapped
+computations running on each device when it began, and those that begin right after one of them
+ends (another thread's next step, already dispatched; fence.py, _native/computations.h); for every
+live jax.Array not yet ready (a computation ends only once its taps were handled); and then for
+its marker computations (taps of the barrier's own consumer, built with ``binding``), one on
+each device and one over all local devices, which every device's receiver handles after what
+was queued before. Then the flush hooks run (sinks that buffer: a barrier also means "written")
+and consumer failures are raised.
 
 At exit everything queued is delivered within ``HOSTCALLBACK_EXIT_TIMEOUT``; a Ctrl-C meanwhile
 leaves the rest.
@@ -32,12 +36,19 @@ from hostcallback import _jax as jx
 from hostcallback import binding, config, transport, wire
 from hostcallback._native import outfeed
 from hostcallback.failures import CallbackException
-from hostcallback.receiver import ReceiverPool, receivers
+from hostcallback.receiver import Notice, ReceiverPool, receivers
 from hostcallback.registry import BARRIER_MARKER_ID
 
 logger = logging.getLogger("hostcallback")
 
 _BARRIER_SHARE = 0.8  # of stop()'s (and so of exit's) one deadline
+# After a tapped computation ends, how long a barrier watches for the next one that was already
+# dispatched (its inputs were the results just completed) to begin, and how many it follows so
+# on a device: XLA's CPU client keeps at most 32 computations in flight per device.
+_FOLLOW_SECONDS = 0.02
+_FOLLOW_SECONDS_AT_STOP = 0.2
+_FOLLOWED_AT_MOST = 32
+_READY_POLL_SECONDS = 0.002
 _EXIT_NOTICE_SECONDS = 3.0  # exit says what it waits for once it has waited this long
 # The portable barrier's fence computations tap marker + 2 (and + 3): values of its own, which
 # fit in uint32 (a marker travels as uint32 when x64 is off) and no barrier waits for.
@@ -96,6 +107,7 @@ class Lifecycle:
         self._dispatcher = _Dispatcher()
         self._flush_hooks: weakref.WeakSet = weakref.WeakSet()
         self._marker_computations: dict[str, tuple] = {}  # per transport, built on first use
+        self._probes: list[tuple] = []  # (computation, its argument), built on first use
 
     def ensure_started(self) -> None:
         """Starts one receiver per local device, once; refuses after stop_outfeed_receiver()."""
@@ -106,7 +118,8 @@ class Lifecycle:
     # ---- barrier ----
 
     def barrier_wait(self, logging_name: str | None = None, timeout: float | None = None,
-                     raise_errors: bool = True, notice_after: float | None = None) -> None:
+                     raise_errors: bool = True, notice_after: float | None = None,
+                     follow_long: bool = False) -> None:
         if self._pool.is_receiver_thread():
             raise RuntimeError(
                 "barrier_wait() was called from inside a tap consumer; it would wait for itself. "
@@ -119,7 +132,16 @@ class Lifecycle:
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._pool.started:
             self._pool.raise_if_dead()
-            self._wait_for_markers(logging_name, timeout, notice_after)
+            notice = Notice(notice_after, self._pool.say_what_is_waited_for)
+            running = self._pool.computations_begun()
+            with jx.outside_user_mesh():
+                self._wait_for_this_threads_work(deadline, timeout, notice)
+            self._pool.wait_for_computations(
+                running, deadline, follow_s=_FOLLOW_SECONDS_AT_STOP if follow_long
+                else _FOLLOW_SECONDS, followed=_FOLLOWED_AT_MOST, timeout=timeout,
+                notice=notice)
+            _wait_until_ready(_live_results_not_ready(), deadline, timeout, notice)
+            self._wait_for_markers(logging_name, timeout, notice)
         self.run_flush_hooks(deadline)
         self._pool.failures.log.flush(force=False)
         if raise_errors:
@@ -143,8 +165,19 @@ class Lifecycle:
             except Exception:
                 logger.exception("hostcallback: flushing %r failed", owner)
 
+    def _wait_for_this_threads_work(self, deadline: float | None, timeout: float | None,
+                                    notice: Notice) -> None:
+        """Waits until what this thread dispatched before to single devices is complete: XLA
+        runs a single-device computation after those its thread dispatched before. So a probe
+        per device, too large for XLA to run while dispatching it (it would wait for them right
+        there, past any deadline), is ready only after them."""
+        if not self._probes:
+            self._probes = _make_probes(self._pool.platform_groups())
+        outs = [probe(argument) for probe, argument in self._probes]
+        _wait_until_ready(outs, deadline, timeout, notice)
+
     def _wait_for_markers(self, logging_name: str | None, timeout: float | None,
-                          notice_after: float | None = None) -> None:
+                          notice: Notice | None = None) -> None:
         with self._lock:
             marker = 4 * next(self._next_marker)  # marker, marker + 1; fences marker + 2, + 3
         grouped = self._pool.platform_groups()
@@ -160,6 +193,7 @@ class Lifecycle:
         else:
             # Dispatching a marker waits while its device is busy: the dispatcher thread sends
             # them, so that the deadline holds.
+
             def send() -> None:
                 try:
                     self._send_markers(marker)
@@ -171,7 +205,7 @@ class Lifecycle:
         what = f"barrier_wait{f' ({logging_name})' if logging_name else ''}"
         self._pool.wait_for_markers(expected, range(marker, marker + 4), deadline,
                                     send_errors=send_errors, what=what, timeout=timeout,
-                                    notice_after=notice_after)
+                                    notice=notice)
         if sent is not None:
             # Its markers arrived, so its dispatches are done: let it return before we do (a
             # thread still inside jaxlib when the interpreter exits aborts the process).
@@ -252,7 +286,7 @@ class Lifecycle:
             # The barrier gets most of the deadline; the rest is for the computations that
             # closing the queues wakes (they fail with "stopped") and for the joins.
             self.barrier_wait(timeout=None if timeout is None else timeout * _BARRIER_SHARE,
-                              raise_errors=False, notice_after=notice_after)
+                              raise_errors=False, notice_after=notice_after, follow_long=True)
         except (TimeoutError, CallbackException) as error:
             logger.warning("hostcallback: %s", error)
         return self._pool.close(deadline)
@@ -283,6 +317,61 @@ class Lifecycle:
         if self._pool.failures.count:
             logger.error("hostcallback: %d tap consumer(s) raised and no barrier_wait reported it",
                          self._pool.failures.count)
+
+
+# A probe sums this many elements: XLA's CPU client runs a computation of fewer than 1000
+# floating-point operations inline, while it is dispatched, and a probe must not.
+_PROBE_ELEMENTS = 4096
+
+
+def _make_probes(platform_groups: dict[str, list]) -> list[tuple]:
+    """A single-device probe per device. (Computations over several devices are launched one
+    after another client-wide: the barrier's marker over all devices comes after them.)"""
+    single = jax.jit(lambda x: x.sum())
+    return [(single, jax.device_put(np.zeros(_PROBE_ELEMENTS, np.float32), device))
+            for devices in platform_groups.values() for device in devices]
+
+
+def _live_results_not_ready() -> list:
+    """Every live jax.Array not ready yet: its computation, or one it depends on, still runs
+    (and a computation is complete only once its taps were handled)."""
+    pending = []
+    for array in jax.live_arrays():
+        try:
+            if not array.is_ready():
+                pending.append(array)
+        except Exception:  # noqa: BLE001 - deleted meanwhile, or failed: nothing to wait for
+            continue
+    return pending
+
+
+def _wait_until_ready(arrays: list, deadline: float | None, timeout: float | None,
+                      notice: Notice) -> None:
+    """Raises TimeoutError at the deadline (monotonic); a failed computation is its owner's to
+    see, not the barrier's."""
+    pending = [array for array in arrays if not _ready_or_gone(array)]
+    while pending:
+        if deadline is None and not notice.pending:
+            for array in pending:
+                try:
+                    array.block_until_ready()
+                except Exception:  # noqa: BLE001 - see above
+                    pass
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"barrier_wait timed out after {timeout} s: {len(pending)} "
+                               "result(s) of computations dispatched before it are not ready")
+        if notice.due():
+            notice.say()
+        time.sleep(_READY_POLL_SECONDS)
+        pending = [array for array in pending if not _ready_or_gone(array)]
+
+
+def _ready_or_gone(array) -> bool:
+    try:
+        return array.is_ready()
+    except Exception:  # noqa: BLE001 - deleted or failed
+        return True
 
 
 lifecycle = Lifecycle(receivers)

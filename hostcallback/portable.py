@@ -6,8 +6,10 @@ keeps it when its result is unused, runs it inside loops and branches, and vmap 
 batch element. It taps ``stop_gradient`` of its operands, so under grad it taps the primal values
 once and the tangents pass around it. On a platform without the native handler (or with the
 callback transport) the record is enqueued from ``jax.debug.callback`` (taps) or ``io_callback``
-/ ``pure_callback`` (calls) into the queue of the process's first device. A barrier is JAX's
-``effects_barrier()`` followed by a marker enqueued from the host (receiver.py).
+/ ``pure_callback`` (calls) into the queue of the process's first device. A barrier's markers
+are enqueued from the host (lifecycle.py). Ready means handled here too: with no hook at a
+computation's end, each tap waits on the device's thread until its record has been handled
+(``delivery="async"`` leaves that out).
 
 What it lacks is listed in ``hostcallback._jax.PORTABLE_LACKS``; asking for it is refused here
 with an error that says so, never ignored. This module uses no private JAX module.
@@ -20,10 +22,11 @@ import numpy as np
 from jax.experimental import io_callback
 
 from hostcallback import _jax as jx
-from hostcallback import handover, transport
+from hostcallback import config, handover, transport
 from hostcallback._native import outfeed
 from hostcallback.flavors import PURE_FLAVOR
-from hostcallback.transport.native import CALL_TARGET, TAP_TARGET  # registers the handlers
+from hostcallback.transport.native import (  # registers the handlers
+    CALL_TARGET, TAP_HANDLED_TARGET, TAP_TARGET)
 
 REPLAYS = ("deliver", "mark", "skip")  # the same words as the primitive; only deliver is done
 _ALL_DEVICES = np.int64(outfeed.ALL_DEVICES)
@@ -44,10 +47,12 @@ def host_device():
     return jax.local_devices()[0]
 
 
-def _enqueue_on_host(consumer_id: int):
+def _enqueue_on_host(consumer_id: int, await_handled: bool):
     def enqueue(*arrays):
         device = host_device()
         handover.tap(device.id, consumer_id, [np.asarray(a) for a in arrays], device.platform)
+        if await_handled:
+            outfeed.await_handled(device.id, 0.0, platform=device.platform)
     return enqueue
 
 
@@ -70,11 +75,14 @@ def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
     if flavor == PURE_FLAVOR:
         _refuse("callback_flavor=PURE for a tap")
     stopped = [jax.lax.stop_gradient(leaf) for leaf in leaves]
+    # Without a hook at a computation's end, each tap waits there until it has been handled.
+    await_handled = config.settings.delivery == "handled"
     if _native_here(transport):
-        jax.ffi.ffi_call(TAP_TARGET, (), has_side_effect=True, vmap_method="sequential")(
+        target = TAP_HANDLED_TARGET if await_handled else TAP_TARGET
+        jax.ffi.ffi_call(target, (), has_side_effect=True, vmap_method="sequential")(
             *stopped, consumer_id=np.uint64(consumer_id), emit_device=_ALL_DEVICES)
     else:
-        jax.debug.callback(_enqueue_on_host(consumer_id), *stopped)
+        jax.debug.callback(_enqueue_on_host(consumer_id, await_handled), *stopped)
     return list(leaves)
 
 

@@ -22,6 +22,7 @@ import weakref
 from jax import lax
 
 from hostcallback import _jax as jx
+from hostcallback import fence
 from hostcallback._jax import patches
 
 
@@ -51,6 +52,7 @@ program_order_scope_p.multiple_results = True
 
 
 def _scope_abstract_eval(*avals, jaxpr: jx.ClosedJaxpr):
+    # (The inner jaxpr's effects include program order for its fence even with ordered taps only.)
     return jaxpr.out_avals, jaxpr.effects - {program_order_effect}
 
 
@@ -76,7 +78,7 @@ _scoped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def scoped(closed_jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
     """The same computation, with its program-order token made inside it (or closed_jaxpr itself
     when it holds no tap). The same jaxpr gives the same result, so JAX's lowering cache hits."""
-    if program_order_effect not in closed_jaxpr.effects:
+    if not any(isinstance(effect, TAP_EFFECTS) for effect in closed_jaxpr.effects):
         return closed_jaxpr
     if jx.simplified_jaxpr_constants():
         # JAX then counts the computation's hoisted constants from the jaxpr it was given and
@@ -90,8 +92,17 @@ def scoped(closed_jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
 
 
 def _wrap_in_scope(closed_jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
-    # The scope holds a copy, so that the cache's value does not keep its key alive.
-    inner = jx.ClosedJaxpr(closed_jaxpr.jaxpr, closed_jaxpr.consts)
+    # The scope holds a copy, so that the cache's value does not keep its key alive; its taps
+    # run between a fence's begin and end (fence.py), in the program-order chain.
+    jaxpr = closed_jaxpr.jaxpr
+    chained = frozenset({program_order_effect} | {
+        effect for effect in closed_jaxpr.effects if isinstance(effect, TAP_EFFECTS)})
+    eqns = fence.around(list(jaxpr.eqns), chained, lambda invars, outvars, primitive, params:
+                        jx.new_jaxpr_eqn(invars, outvars, primitive, params, chained,
+                                         jx.new_source_info()))
+    inner = jx.ClosedJaxpr(jx.Jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns,
+                                    jaxpr.effects | chained, debug_info=jaxpr.debug_info),
+                           closed_jaxpr.consts)
     outer_effects = closed_jaxpr.effects - {program_order_effect}
     invars = [jx.Var(v.aval) for v in closed_jaxpr.jaxpr.invars]
     outvars = [jx.Var(aval) for aval in closed_jaxpr.out_avals]

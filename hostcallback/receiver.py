@@ -44,6 +44,10 @@ _DRAIN_BYTES = 1 << 20
 _COALESCE_SECONDS = 0.0002
 _LINGER_SECONDS = 0.001
 _POLL_SECONDS = 0.25
+_COMPUTATIONS_POLL_SECONDS = 0.001
+# A tapped computation that began before a barrier and whose device then shows nothing new for
+# this long is taken for failed where none of our handlers saw it (its fence never runs).
+_PRESUMED_FAILED_SECONDS = 10.0
 _DRAIN_RETRY_SECONDS = 0.05
 _ABANDON_JOIN_SECONDS = 1.0  # after a second Ctrl-C, how long exit waits for each receiver
 
@@ -77,6 +81,26 @@ def _native_platform_devices() -> list:
 def _name_of(consumer: Any) -> str:
     """How logs and errors name a consumer: its name, else its function's."""
     return consumer.name or getattr(consumer.func, "__name__", repr(consumer.func))
+
+
+class Notice:
+    """Says once, on stderr, what a long wait waits for, once it has lasted ``after`` seconds
+    (None: never)."""
+
+    def __init__(self, after: float | None, say) -> None:
+        self._at = None if after is None else time.monotonic() + after
+        self._say = say
+
+    @property
+    def pending(self) -> bool:
+        return self._at is not None
+
+    def due(self) -> bool:
+        return self._at is not None and time.monotonic() >= self._at
+
+    def say(self) -> None:
+        self._at = None
+        self._say()
 
 
 class ReceiverStoppedError(RuntimeError):
@@ -194,10 +218,14 @@ class ReceiverPool:
         self._stopped = True
         return left
 
-    def _say_what_is_waited_for(self) -> None:
-        """One line on stderr; called with the lock held."""
-        sys.stderr.write(f"hostcallback: delivering {self._undelivered_locked()} queued tap "
-                         "record(s) before exit; press Ctrl-C to leave without them\n")
+    def say_what_is_waited_for(self) -> None:
+        """One line on stderr: the tapped computations still running and the records queued."""
+        running = sum(outfeed.computations(k[1], platform=k[0])["running"] for k in self._threads)
+        with self._lock:
+            queued = self._undelivered_locked()
+        sys.stderr.write(f"hostcallback: waiting for {running} tapped computation(s) still "
+                         f"running and delivering {queued} queued tap record(s) before exit; "
+                         "press Ctrl-C to leave without them\n")
         sys.stderr.flush()
 
     # ---- the receiver threads ----
@@ -363,13 +391,12 @@ class ReceiverPool:
 
     def wait_for_markers(self, expected: dict[QueueKey, set[int]], markers: range,
                          deadline: float | None, *, send_errors: list, what: str,
-                         timeout: float | None, notice_after: float | None) -> None:
+                         timeout: float | None, notice: Notice | None) -> None:
         """Waits until each device's receiver has seen its ``expected`` markers, then forgets
         every marker in ``markers``. Raises the first of ``send_errors`` (appended by the
         thread sending the markers, which then calls wake_waiters()), CallbackException when a
-        receiver died, and TimeoutError at the deadline (monotonic); with ``notice_after``, a
-        wait that has lasted that long says on stderr what it waits for."""
-        started = time.monotonic()
+        receiver died, and TimeoutError at the deadline (monotonic); a ``notice`` that comes due
+        meanwhile is said."""
         with self._lock:
             try:
                 while True:
@@ -387,17 +414,77 @@ class ReceiverPool:
                         raise TimeoutError(
                             f"{what} timed out after {timeout} s; records still to be handled "
                             f"per device: {pending}. A consumer may be slow or stuck.")
-                    if notice_after is not None and time.monotonic() - started >= notice_after:
-                        notice_after = None
-                        self._say_what_is_waited_for()
+                    if notice is not None and notice.due():
+                        self._lock.release()  # saying it reads the queues' stats
+                        try:
+                            notice.say()
+                        finally:
+                            self._lock.acquire()
                         continue
                     wait = remaining if remaining is not None else _POLL_SECONDS
-                    if notice_after is not None:  # wake in time to say it
+                    if notice is not None and notice.pending:  # wake in time to say it
                         wait = min(wait, _POLL_SECONDS)
                     self._marker_seen.wait(wait)
             finally:
                 for seen in self._markers.values():
                     seen.difference_update(markers)
+
+    def computations_begun(self) -> dict[QueueKey, int]:
+        """Per device, how many tapped computations have begun (the id the next one gets)."""
+        return {key: outfeed.computations(key[1], platform=key[0])["begun"]
+                for key in self._devices}
+
+    def wait_for_computations(self, begun: dict[QueueKey, int], deadline: float | None, *,
+                              follow_s: float, followed: int, timeout: float | None,
+                              notice: Notice | None = None) -> None:
+        """Waits until every tapped computation that had begun (``begun``, from
+        computations_begun()) has ended, its taps handled. Then follows those that begin within
+        ``follow_s`` of one ending, at most ``followed`` more per device: a computation already
+        dispatched, waiting for the results that just completed, begins that soon. Raises
+        TimeoutError at the deadline (monotonic) and CallbackException when a receiver died."""
+        limit = {key: count + followed for key, count in begun.items()}
+        last_seen: dict[QueueKey, tuple] = {}  # what each device last showed, and since when
+        while True:
+            self.raise_if_dead()
+            waiting = []
+            for key, count in begun.items():
+                now = outfeed.computations(key[1], platform=key[0])
+                before = now["oldest_running"] < count
+                if before and self._stalled(key, now, last_seen):
+                    abandoned = outfeed.abandon_computations(key[1], count, platform=key[0])
+                    logger.warning(
+                        "hostcallback: %d tapped computation(s) on %s began and, with nothing "
+                        "happening on that device for %g s, never reached their end: taken for "
+                        "failed (an error outside hostcallback's handlers, such as a JAX "
+                        "callback that raised); barriers no longer wait for them", abandoned,
+                        self._devices[key], _PRESUMED_FAILED_SECONDS)
+                    continue
+                following = now["oldest_running"] < limit[key] and (
+                    now["running"] > 0 or 0 <= now["seconds_since_end"] < follow_s)
+                if before or following:
+                    waiting.append(key)
+            if not waiting:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"barrier_wait timed out after {timeout} s: tapped "
+                    f"computations still running on {[str(self._devices[k]) for k in waiting]}")
+            if notice is not None and notice.due():
+                notice.say()
+            time.sleep(_COMPUTATIONS_POLL_SECONDS)
+
+    @staticmethod
+    def _stalled(key: QueueKey, now: dict, last_seen: dict) -> bool:
+        """Whether the device has shown nothing new (computations begun or ended, records
+        enqueued or delivered) for _PRESUMED_FAILED_SECONDS."""
+        stats = outfeed.stats(key[1], platform=key[0])
+        shown = (now["begun"], now["oldest_running"], now["running"],
+                 stats["records_enqueued"], stats["records_delivered"])
+        seen, since = last_seen.get(key, (None, time.monotonic()))
+        if shown != seen:
+            last_seen[key] = (shown, time.monotonic())
+            return False
+        return time.monotonic() - since >= _PRESUMED_FAILED_SECONDS
 
     def platform_groups(self) -> dict[str, list]:
         groups: dict[str, list] = {}

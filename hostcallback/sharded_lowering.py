@@ -38,17 +38,7 @@ def local_ordinal(device) -> int:
     return device.id
 
 
-def manual_sharding(result_ranks: list[int]):
-    """The annotation that says: run this op on every device, on its own data (shard_map).
-    Shardy wants one entry per result, with one dimension entry per dimension."""
-    if jx.shardy_enabled():
-        return jx.SdyArrayList(tuple(
-            jx.SdyArray(mesh_shape=(), logical_device_ids=(),
-                        dim_shardings=(jx.SdyDim(axes=(), is_open=False),) * rank)
-            for rank in result_ranks))
-    op_sharding = jx.OpSharding()
-    op_sharding.type = jx.OpSharding.Type.MANUAL
-    return op_sharding
+manual_sharding = jx.manual_sharding
 
 
 def check_device_index(device_index: int, num_devices: int) -> None:

@@ -100,6 +100,19 @@ def shardy_enabled() -> bool:
     return bool(_config.use_shardy_partitioner.value)
 
 
+def manual_sharding(result_ranks: list[int]):
+    """The annotation that says: run this op on every device, on its own data (shard_map).
+    Shardy wants one entry per result, with one dimension entry per dimension."""
+    if shardy_enabled():
+        return SdyArrayList(tuple(
+            SdyArray(mesh_shape=(), logical_device_ids=(),
+                     dim_shardings=(SdyDim(axes=(), is_open=False),) * rank)
+            for rank in result_ranks))
+    op_sharding = OpSharding()
+    op_sharding.type = OpSharding.Type.MANUAL
+    return op_sharding
+
+
 def simplified_jaxpr_constants() -> bool:
     flag = getattr(_config, "use_simplified_jaxpr_constants", None)
     return bool(flag is not None and flag.value)
@@ -155,7 +168,7 @@ __all__ = [
     "OpSharding", "PYTHON_CALLBACK_TARGETS", "SPMDAxisContext", "SdyArray", "SdyArrayList",
     "SdyDim", "ShardingContext", "abstract_token", "add_host_callback", "apply_primitive",
     "effects", "emit_python_callback", "eval_jaxpr", "ir_consts", "jaxprs_in_params",
-    "lower_jaxpr", "lowering_for_export", "new_jaxpr_eqn", "new_source_info", "no_effects",
+    "lower_jaxpr", "lowering_for_export", "manual_sharding", "new_jaxpr_eqn", "new_source_info", "no_effects",
     "outside_abstract_mesh", "pe", "pxla", "set_sharding", "shardy_enabled",
     "simplified_jaxpr_constants", "split_list", "trace_state_clean", "without_context_mesh",
 ]

@@ -17,6 +17,11 @@
 
 namespace hostcallback {
 
+namespace {
+// The queue whose batch this thread is delivering (a receiver between two Pops), if any.
+thread_local const DeviceQueue* t_delivering = nullptr;
+}  // namespace
+
 // ---- the ring ---------------------------------------------------------------------------------
 
 std::vector<Record> RecordRing::TakeSpare() {
@@ -79,6 +84,7 @@ int64_t DeviceQueue::Push(Record record, bool expects_response, bool urgent, dou
     throw;
   }
   next_sequence_ += 1;
+  if (!expects_response && !IsBarrierMarker(record)) taps_below_ = next_sequence_;
   Admit(ticket);
   (IsBarrierMarker(record) ? stats_.markers_enqueued : stats_.records_enqueued) += 1;
   stats_.bytes_enqueued += BudgetBytes(record);
@@ -100,6 +106,13 @@ std::vector<Record> DeviceQueue::Pop(size_t max_records, size_t max_bytes, doubl
                                      double coalesce_s, double linger_s) {
   std::vector<Record> out;
   std::unique_lock<std::mutex> lock(mu_);
+  t_delivering = nullptr;
+  delivering_ = false;
+  // The receiver asks for more: what it was handed before has been handled.
+  if (handled_ != handed_out_) {
+    handled_ = handed_out_;
+    if (fences_waiting_ > 0) handled_cv_.notify_all();
+  }
   batch_records_ = std::max<size_t>(max_records, 1);
   batch_bytes_ = std::max<size_t>(max_bytes, 1);
   bool soon = true;  // records were there, or came within linger_s
@@ -151,10 +164,44 @@ std::vector<Record> DeviceQueue::Pop(size_t max_records, size_t max_bytes, doubl
   stats_.bytes_queued -= bytes;
   stats_.batches += out.empty() ? 0 : 1;
   streaming_ = !out.empty() && soon;
+  handed_out_ = next_sequence_ - records_.size();
+  if (!out.empty()) {
+    t_delivering = this;
+    delivering_ = true;
+    batches_handed_out_ += 1;
+  }
   std::vector<Record> spare = records_.TakeSpare();  // freed after the unlock
   lock.unlock();
   if (!out.empty()) not_full_.notify_all();
   return out;
+}
+
+uint64_t DeviceQueue::TapsEnqueued() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return taps_below_;
+}
+
+uint64_t DeviceQueue::DeliveringBatch() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return delivering_ ? batches_handed_out_ : 0;
+}
+
+DeviceQueue::Handled DeviceQueue::WaitHandled(uint64_t target, double timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (handled_ >= target) return Handled::kYes;
+  if (t_delivering == this) return Handled::kOwnReceiver;
+  auto done = [&] { return handled_ >= target || closed_; };
+  fences_waiting_ += 1;
+  if (receivers_waiting_ > 0) not_empty_.notify_all();  // a gathering receiver: hand out now
+  if (WaitsForever(timeout_s)) {
+    handled_cv_.wait(lock, done);
+  } else {
+    handled_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), done);
+  }
+  fences_waiting_ -= 1;
+  if (handled_ >= target) return Handled::kYes;
+  if (!failure_.empty()) return Handled::kFailed;
+  return closed_ ? Handled::kStopped : Handled::kTimedOut;
 }
 
 void DeviceQueue::SetClosed(bool closed) {
@@ -169,6 +216,7 @@ void DeviceQueue::SetClosed(bool closed) {
   }
   not_full_.notify_all();
   not_empty_.notify_all();
+  handled_cv_.notify_all();
 }
 
 void DeviceQueue::Fail(const std::string& reason) {
@@ -179,6 +227,7 @@ void DeviceQueue::Fail(const std::string& reason) {
   }
   not_full_.notify_all();
   not_empty_.notify_all();
+  handled_cv_.notify_all();
 }
 
 std::string DeviceQueue::ClosedReason() {
@@ -190,6 +239,7 @@ QueueStats DeviceQueue::Stats() {
   std::lock_guard<std::mutex> lock(mu_);
   QueueStats now = stats_;
   now.receivers_waiting = receivers_waiting_;
+  now.fences_waiting = fences_waiting_;
   return now;
 }
 
@@ -199,7 +249,7 @@ void DeviceQueue::ResetPeak() {
 }
 
 bool DeviceQueue::BatchReady() const {
-  return closed_ || urgent_queued_ > 0 || stats_.producers_waiting > 0 ||
+  return closed_ || urgent_queued_ > 0 || stats_.producers_waiting > 0 || fences_waiting_ > 0 ||
          records_.size() >= batch_records_ || stats_.bytes_queued >= batch_bytes_;
 }
 

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "computations.h"
 #include "record.h"
 
 namespace hostcallback {
@@ -25,6 +26,7 @@ struct QueueStats {
   uint64_t batches = 0;  // non-empty drains: records_delivered / batches is the mean batch
   uint64_t receiver_wakeups = 0;  // times a producer woke the receiver (a syscall on its thread)
   uint64_t receivers_waiting = 0;  // drains waiting on the queue now, GIL released
+  uint64_t fences_waiting = 0;  // computations waiting at their end for their taps to be handled
 };
 
 // The records of one queue, oldest first, in a circular buffer that grows by doubling: a
@@ -70,9 +72,13 @@ class DeviceQueue {
  public:
   static constexpr int64_t kClosed = -1, kTimedOut = -2;
 
+  // What WaitHandled found.
+  enum class Handled { kYes, kStopped, kFailed, kTimedOut, kOwnReceiver };
+
   explicit DeviceQueue(int device_id) : device(device_id) {}
 
   const int device;  // the id it is keyed by (with its platform)
+  RunningComputations computations;  // the tapped computations running on this device now
 
   // Returns the record's sequence number, kClosed when the queue was closed (receiver stopped)
   // or kTimedOut when there was no room within timeout_s (a `call`'s timeout; taps wait
@@ -105,6 +111,23 @@ class DeviceQueue {
   // docs/performance-log.md (2026-11-24).
   std::vector<Record> Pop(size_t max_records, size_t max_bytes, double timeout_s,
                           double coalesce_s = 0, double linger_s = 0);
+
+  // Waits until the receiver has handled every tap that joined before this call (its
+  // consumers returned), up to timeout_s (0: forever). Records are handled in queue order, and
+  // everything a Pop handed out has been handled once the receiver asks for more, so this waits
+  // for the receiver's next Pop after them. It makes a gathering receiver hand out at once. A
+  // stopped queue (kStopped) or a failed one (kFailed: ClosedReason says why) waits no longer.
+  // kOwnReceiver: called on this queue's receiver thread while it delivers a batch, where a
+  // wait would wait for itself (a computation run inline from a consumer); it does not wait.
+  Handled WaitHandled(double timeout_s) { return WaitHandled(TapsEnqueued(), timeout_s); }
+  // The same for the records below target (a value of TapsEnqueued()).
+  Handled WaitHandled(uint64_t target, double timeout_s);
+  // The target that covers every tap that joined so far and every record before it. A call
+  // after the last tap is left out: its device has had its answer or given up on it, and a call
+  // function that outlives its call must not keep its computation from ending.
+  uint64_t TapsEnqueued();
+  // The batch the receiver is delivering now (a count of batches handed out), 0 between them.
+  uint64_t DeliveringBatch();
 
   void SetClosed(bool closed);
 
@@ -141,6 +164,13 @@ class DeviceQueue {
   std::condition_variable not_empty_, not_full_;
   RecordRing records_;
   uint64_t next_sequence_ = 0;
+  // Records below handed_out_ left through Pop; those below handled_ have been handled; the
+  // last tap (not a call, not a barrier marker) that joined is below taps_below_.
+  uint64_t handed_out_ = 0, handled_ = 0, taps_below_ = 0;
+  size_t fences_waiting_ = 0;
+  uint64_t batches_handed_out_ = 0;
+  bool delivering_ = false;
+  std::condition_variable handled_cv_;
   uint64_t next_ticket_ = 0, admitted_ = 0;
   std::set<uint64_t> given_up_;  // tickets behind admitted_ whose producer stopped waiting
   bool closed_ = false;

@@ -12,6 +12,7 @@
 
 #include "ffi_handlers.h"
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -52,22 +53,39 @@ ffi::Error CollectArrays(ffi::RemainingArgs& args, ArrayView* out, size_t* count
 
 // Every handler's body runs inside this: a C++ exception (bad_alloc for a record larger than
 // memory) becomes an FFI error that fails the computation with the reason, never a crash.
+// An error fails the computation, whose fence then never runs: it ends here (the fence, which
+// ends its computation itself, passes ends_on_failure = false).
 template <typename Body>
-ffi::Error Guarded(Body body) noexcept {
+ffi::Error Guarded(Body body, bool ends_on_failure = true) noexcept {
+  ffi::Error error = ffi::Error::Success();
   try {
-    return body();
+    error = body();
   } catch (const std::bad_alloc&) {
-    return ffi::Error::Internal("hostcallback: out of host memory for a tap record");
+    error = ffi::Error::Internal("hostcallback: out of host memory for a tap record");
   } catch (const std::exception& e) {
-    return ffi::Error::Internal(std::string("hostcallback: ") + e.what());
+    error = ffi::Error::Internal(std::string("hostcallback: ") + e.what());
   } catch (...) {
-    return ffi::Error::Internal("hostcallback: unknown C++ exception in the tap handler");
+    error = ffi::Error::Internal("hostcallback: unknown C++ exception in the tap handler");
   }
+  if (error.failure() && ends_on_failure) EndFailedOnThisThread();
+  return error;
 }
 
 constexpr size_t kArraysOnStack = 16;
 
+// Waits until the device's receiver has handled every record the device enqueued so far; fails
+// only when the receiver died (a stopped one waits no longer).
+ffi::Error AwaitHandled(DeviceQueue* queue) {
+  if (queue->WaitHandled(0) == DeviceQueue::Handled::kFailed) {
+    return ffi::Error::Internal(queue->ClosedReason());
+  }
+  return ffi::Error::Success();
+}
+
 // emit_device >= 0: only that device enqueues (a whole-value tap lowered on every device).
+// kAwaitHandled: the tap returns once its record has been handled (the portable mode's taps,
+// which have no fence at the end of their computation).
+template <bool kAwaitHandled>
 ffi::Error TapImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consumer_id,
                    int64_t emit_device, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   (void)rets;  // only the ordering token, which carries no data
@@ -91,8 +109,80 @@ ffi::Error TapImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consum
     const int64_t pushed =
         Enqueue(queue, device_ordinal, consumer_id, ArrayViews(views, count), 0, 0, &pool);
     if (pushed < 0) return ffi::Error::Internal(WhyNotEnqueued(queue, pushed, 0));
+    if (kAwaitHandled) return AwaitHandled(queue);
     return ffi::Error::Success();
   });
+}
+
+// The start of a tapped computation, before its taps (the token it returns starts their chain):
+// hands out the computation's id (its low 32 bits) for the fence to end it with.
+ffi::Error BeginImpl(int32_t device_ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  (void)args;  // only the token that orders it
+  return Guarded([&]() -> ffi::Error {
+    uint32_t id = 0;
+    if (device_ordinal >= 0) {
+      DeviceQueue* queue = NativeQueueFor(device_ordinal);
+      id = static_cast<uint32_t>(queue->computations.Begin(queue->DeliveringBatch()));
+    }
+    for (size_t i = 0; i < rets.size(); ++i) {
+      ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
+      if (!ret.has_value()) return ret.error();
+      ffi::AnyBuffer out = *ret.value();
+      if (out.element_type() == ffi::DataType::U32) std::memcpy(out.untyped_data(), &id, 4);
+    }
+    return ffi::Error::Success();
+  });
+}
+
+// How long a fence waits for a receiver that has been delivering one batch since before the
+// computation began, before it takes the computation for one that this batch's consumer started
+// and waits for (so the receiver could never come back for its taps), and lets it end.
+constexpr double kNestedGraceSeconds = 5.0;
+
+void SayNestedOnce() {
+  static std::atomic<bool> said{false};
+  if (said.exchange(true)) return;
+  std::fprintf(stderr, "hostcallback: a tapped computation began while its device's receiver was "
+               "running a consumer, which has not returned for %g s: taken for one that the "
+               "consumer started and waits for, it ends without waiting for its own taps (they "
+               "follow once the consumer returns). Run such work on another thread, or with "
+               "hostcallback.configure(delivery=\"async\").\n", kNestedGraceSeconds);
+  std::fflush(stderr);
+}
+
+// The end of a tapped computation, after its taps (their tokens): waits until the device's
+// receiver has handled every tap enqueued so far, so that the computation's results are ready
+// only once its taps were handled; then ends the computation its begin's id names.
+ffi::Error FenceImpl(int32_t device_ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  (void)rets;  // only a token
+  return Guarded([&]() -> ffi::Error {
+    if (device_ordinal < 0) return ffi::Error::Success();
+    DeviceQueue* queue = NativeQueueFor(device_ordinal);
+    bool has_id = false;
+    uint32_t id = 0;
+    for (size_t i = 0; i < args.size() && !has_id; ++i) {
+      ffi::ErrorOr<ffi::AnyBuffer> arg = args.get<ffi::AnyBuffer>(i);
+      if (!arg.has_value()) return arg.error();
+      if (arg.value().element_type() != ffi::DataType::U32) continue;
+      std::memcpy(&id, arg.value().untyped_data(), sizeof(id));
+      has_id = true;  // (the first uint32 operand; the weight follows it)
+    }
+    const uint64_t began_in_batch = has_id ? queue->computations.DeliveringAtBegin(id) : 0;
+    const uint64_t target = queue->TapsEnqueued();
+    DeviceQueue::Handled handled;
+    while ((handled = queue->WaitHandled(target, kNestedGraceSeconds)) ==
+           DeviceQueue::Handled::kTimedOut) {
+      if (began_in_batch != 0 && queue->DeliveringBatch() == began_in_batch) {
+        SayNestedOnce();
+        break;
+      }
+    }
+    if (has_id) queue->computations.End(id);
+    if (handled == DeviceQueue::Handled::kFailed) {
+      return ffi::Error::Internal(queue->ClosedReason());
+    }
+    return ffi::Error::Success();
+  }, /*ends_on_failure=*/false);
 }
 
 // Why a shared call failed, by consumer id: written by the calling device, read by every device
@@ -251,12 +341,33 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackCheck, CheckImpl,
                                   .RemainingArgs()
                                   .RemainingRets());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackTap, TapImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackTap, TapImpl<false>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Ctx<ffi::ThreadPool>()
                                   .Attr<uint64_t>("consumer_id")
                                   .Attr<int64_t>("emit_device")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackTapHandled, TapImpl<true>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Attr<uint64_t>("consumer_id")
+                                  .Attr<int64_t>("emit_device")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackBegin, BeginImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackFence, FenceImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .RemainingArgs()
                                   .RemainingRets());
 

@@ -1,5 +1,6 @@
-// The XLA FFI handlers our custom calls run on the device thread: hostcallback_tap,
-// hostcallback_call and hostcallback_check (module.cc hands them to Python, which registers them
+// The XLA FFI handlers our custom calls run on the device thread: hostcallback_tap (and
+// hostcallback_tap_handled), hostcallback_call, hostcallback_check, hostcallback_begin and
+// hostcallback_fence (module.cc hands them to Python, which registers them
 // with jax.ffi for kNativePlatform).
 #ifndef HOSTCALLBACK_NATIVE_FFI_HANDLERS_H_
 #define HOSTCALLBACK_NATIVE_FFI_HANDLERS_H_
@@ -18,6 +19,17 @@ extern "C" XLA_FFI_Error* HostcallbackCall(XLA_FFI_CallFrame* call_frame);
 
 // A shared call's check after its results and flags were summed: attribute consumer_id.
 extern "C" XLA_FFI_Error* HostcallbackCheck(XLA_FFI_CallFrame* call_frame);
+
+// A tap that returns once its record has been handled (the portable mode's): as HostcallbackTap.
+extern "C" XLA_FFI_Error* HostcallbackTapHandled(XLA_FFI_CallFrame* call_frame);
+
+// The start of a tapped computation: operand a token; results a token and the computation's
+// uint32 id.
+extern "C" XLA_FFI_Error* HostcallbackBegin(XLA_FFI_CallFrame* call_frame);
+
+// The end of a tapped computation: operands its taps' tokens and the id Begin gave; result a
+// token; returns once the device's receiver has handled every record enqueued before it.
+extern "C" XLA_FFI_Error* HostcallbackFence(XLA_FFI_CallFrame* call_frame);
 
 }  // namespace hostcallback
 

@@ -16,9 +16,12 @@
 //   record.{h,cc}        one record's bytes and how they are encoded
 //   buffer_pool.{h,cc}   where record buffers come from and go back to; the memory bound
 //   timeouts.{h,cc}      what a timeout means; the message of a call that ran out of it
-//   device_queue.{h,cc}  one queue per (platform, device), the table of them, Enqueue
+//   computations.{h,cc}  the tapped computations running on a device (begin to fence)
+//   device_queue.{h,cc}  one queue per (platform, device), the table of them, Enqueue;
+//                        what its receiver has handled
 //   responses.{h,cc}     the answers to calls, and sending a call to wait for one
-//   ffi_handlers.{h,cc}  the XLA FFI handlers (tap, call, check); GPU handlers go beside them
+//   ffi_handlers.{h,cc}  the XLA FFI handlers (tap, call, check, begin, fence); GPU handlers go
+//                        beside them
 //   numpy_api.{h,cc}     the one NumPy C API table of the extension
 //   numpy_records.{h,cc} drained records as numpy views; host arrays on their way in
 //   frames.{h,cc}        record-stream frames for the sinks, many records at once
@@ -223,8 +226,39 @@ nb::dict StatsOf(int device, const std::string& platform) {
   d["batches"] = s.batches;
   d["receiver_wakeups"] = s.receiver_wakeups;
   d["receivers_waiting"] = s.receivers_waiting;
+  d["fences_waiting"] = s.fences_waiting;
   d["calls_waiting"] = calls_waiting;
   d["answers_unclaimed"] = answers_unclaimed;
+  return d;
+}
+
+// Waits (GIL released) until the device's receiver has handled every record enqueued so far:
+// "handled", "stopped", "failed", "timed out" or "own receiver" (called while delivering).
+std::string AwaitHandledFromPython(int device, double timeout_s, const std::string& platform) {
+  if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) throw nb::value_error(bad.c_str());
+  DeviceQueue* queue = CheckedQueue(platform, device);
+  DeviceQueue::Handled handled;
+  {
+    GilReleased released;
+    handled = queue->WaitHandled(timeout_s);
+  }
+  switch (handled) {
+    case DeviceQueue::Handled::kYes: return "handled";
+    case DeviceQueue::Handled::kStopped: return "stopped";
+    case DeviceQueue::Handled::kFailed: return "failed";
+    case DeviceQueue::Handled::kTimedOut: return "timed out";
+    case DeviceQueue::Handled::kOwnReceiver: return "own receiver";
+  }
+  return "handled";
+}
+
+nb::dict ComputationsOf(int device, const std::string& platform) {
+  const ComputationsNow now = CheckedQueue(platform, device)->computations.Now();
+  nb::dict d;
+  d["begun"] = now.begun;
+  d["oldest_running"] = now.oldest_running;
+  d["running"] = now.running;
+  d["seconds_since_end"] = now.seconds_since_end;
   return d;
 }
 
@@ -267,6 +301,10 @@ void DefineModule(nb::module_& m) {
     d["hostcallback_tap"] = nb::capsule(reinterpret_cast<void*>(HostcallbackTap));
     d["hostcallback_call"] = nb::capsule(reinterpret_cast<void*>(HostcallbackCall));
     d["hostcallback_check"] = nb::capsule(reinterpret_cast<void*>(HostcallbackCheck));
+    d["hostcallback_tap_handled"] =
+        nb::capsule(reinterpret_cast<void*>(HostcallbackTapHandled));
+    d["hostcallback_begin"] = nb::capsule(reinterpret_cast<void*>(HostcallbackBegin));
+    d["hostcallback_fence"] = nb::capsule(reinterpret_cast<void*>(HostcallbackFence));
     return d;
   });
   m.def("drain", &Drain, nb::arg("device"), nb::arg("max_records"), nb::arg("max_bytes"),
@@ -309,6 +347,22 @@ void DefineModule(nb::module_& m) {
   m.def("respond_error", &RespondError, nb::arg("device"), nb::arg("sequence"), nb::arg("message"),
         nb::arg("platform") = kNativePlatform, "Fails the waiting call with this message.");
   m.def("stats", &StatsOf, nb::arg("device"), nb::arg("platform") = kNativePlatform);
+  m.def("await_handled", &AwaitHandledFromPython, nb::arg("device"), nb::arg("timeout_s"),
+        nb::arg("platform") = kNativePlatform,
+        "Waits (GIL released) up to timeout_s (0 or inf: forever) until the device's receiver has "
+        "handled every record enqueued so far; returns 'handled', 'stopped', 'failed', "
+        "'timed out' or 'own receiver' (called on that receiver while it delivers: no wait).");
+  m.def("computation_failed", &EndFailedOnThisThread,
+        "Called on XLA's thread by a host callback of ours that fails its computation: the "
+        "tapped computation this thread runs ends now (its fence will not run).");
+  m.def("abandon_computations", [](int device, uint64_t before_id, const std::string& platform) {
+          return CheckedQueue(platform, device)->computations.Abandon(before_id);
+        }, nb::arg("device"), nb::arg("before_id"), nb::arg("platform") = kNativePlatform,
+        "Forgets the computations begun before before_id that are still running (they failed "
+        "where no handler of ours saw it); returns how many.");
+  m.def("computations", &ComputationsOf, nb::arg("device"), nb::arg("platform") = kNativePlatform,
+        "The tapped computations of one device: begun (ids handed out), oldest_running (begun "
+        "when none runs), running, seconds_since_end (-1 before the first ends).");
   m.def("reset_peak_bytes_queued", &ResetPeak, nb::arg("device"),
         nb::arg("platform") = kNativePlatform,
         "Starts peak_bytes_queued again from what is queued now.");

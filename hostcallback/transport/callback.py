@@ -84,6 +84,7 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, to
                             for answer, (shape, dtype) in zip(answers, shapes))
         except BaseException as error:  # shared: every error becomes the flag, see above
             if not shared:
+                outfeed.computation_failed()  # XLA runs nothing more of it, fence included
                 raise
             reason = str(error) if isinstance(error, RuntimeError) else describe_error(error)
             if reason.startswith(outfeed.CALL_TIMEOUT_PREFIX):
@@ -178,6 +179,7 @@ def check(ctx, failed, values, *, consumer_id: int, op_sharding):
     through."""
     def check_on_host(failed, *values):
         if failed:
+            outfeed.computation_failed()  # XLA runs nothing more of it, fence included
             raise RuntimeError(_shared_call_failures.get(
                 consumer_id, "hostcallback: the call failed on a device of another process "
                              "(its log says why)"))

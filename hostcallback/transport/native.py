@@ -14,6 +14,7 @@ from hostcallback import _jax as jx
 from hostcallback._native import outfeed
 
 TAP_TARGET = "hostcallback_tap"
+TAP_HANDLED_TARGET = "hostcallback_tap_handled"  # a tap that returns once it was handled
 CALL_TARGET = "hostcallback_call"
 CHECK_TARGET = "hostcallback_check"
 

@@ -11,6 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import hostcallback as hcb
+from helpers import wait_until
 
 
 def test_barrier_waits_for_slow_consumers(transport, collector):
@@ -104,11 +105,16 @@ def test_barrier_times_out_instead_of_hanging(transport):
     def stuck(arg, transforms):
         release.wait(30)
 
-    jax.jit(lambda x: hcb.id_tap(stuck, x))(1.0)
+    # A computation this small runs while it is dispatched, and ends once its tap is handled:
+    # it is dispatched from a thread of its own, which waits with it.
+    dispatcher = threading.Thread(target=lambda: jax.jit(lambda x: hcb.id_tap(stuck, x))(1.0))
+    dispatcher.start()
+    wait_until(lambda: any(s["fences_waiting"] for s in hcb.queue_stats().values()))
     with pytest.raises(TimeoutError, match="timed out after 0.2 s"):
         hcb.barrier_wait(timeout=0.2)
     release.set()
     hcb.barrier_wait(timeout=30)
+    dispatcher.join(30)
 
 
 def test_barrier_covers_computations_from_other_threads(transport, collector):

@@ -160,7 +160,8 @@ def test_a_long_exit_says_what_it_waits_for_and_ctrl_c_leaves_quietly():
             break
     rest = child.stderr.read()
     assert child.wait(timeout=60) == 0, "".join(lines) + rest
-    assert any(line.startswith("hostcallback: delivering ") for line in lines)
+    assert any(line.startswith("hostcallback: waiting for ") and " tapped computation(s) still "
+               "running and delivering " in line for line in lines)
     assert "hostcallback: exit without the " in rest and "queued tap record(s) (Ctrl-C)" in rest
     assert "Traceback" not in rest and "Exception ignored" not in rest
 

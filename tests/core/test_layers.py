@@ -19,7 +19,8 @@ LAYERS = [
                 "hostcallback.printing", "hostcallback.failures",
                 "hostcallback.record_layout", "hostcallback.handover"]),
     ("records and lowering rules", [
-        "hostcallback.transport", "hostcallback.program_order", "hostcallback.keep_taps",
+        "hostcallback.transport", "hostcallback.program_order", "hostcallback.fence",
+        "hostcallback.keep_taps",
         "hostcallback.reentry", "hostcallback.batches", "hostcallback.results"]),
     ("the primitive and the receivers", [
         "hostcallback.sharded_lowering", "hostcallback.primitive", "hostcallback.portable",

@@ -121,7 +121,8 @@ def test_large_taps_behind_a_slow_consumer_make_the_device_wait_within_the_budge
 
     step = jax.jit(lambda x: hcb.id_tap(slow, x))
     device = jax.local_devices()[0]
-    with hcb.config.override(transport="callback", max_queue_bytes=budget):
+    # Delivered asynchronously: each step would otherwise end only once its tap was handled.
+    with hcb.config.override(transport="callback", max_queue_bytes=budget, delivery="async"):
         step(jnp.zeros(LARGE // 4, jnp.float32))
         hcb.barrier_wait()
         values.clear()

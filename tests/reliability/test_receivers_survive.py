@@ -145,10 +145,11 @@ def test_if_a_receiver_dies_anyway_calls_and_barriers_fail_naming_why(transport)
 
         lifecycle.ensure_started()
         receivers._deliver = deliver
-        jax.jit(lambda x: hcb.id_tap(lambda a, t: None, x))(1)
-        for attempt in ("call", "barrier", "barrier again"):
+        for attempt in ("tap", "call", "barrier", "barrier again"):
             try:
-                if attempt == "call":
+                if attempt == "tap":  # its computation ends only once its tap was handled
+                    jax.jit(lambda x: hcb.id_tap(lambda a, t: None, x))(1).block_until_ready()
+                elif attempt == "call":
                     jax.jit(lambda x: hcb.call(lambda v: v, x, result_shape=x))(
                         np.float32(1)).block_until_ready()
                 else:
@@ -159,9 +160,10 @@ def test_if_a_receiver_dies_anyway_calls_and_barriers_fail_naming_why(transport)
                       "injected fault" in str(error))
         """, env={"HOSTCALLBACK_TRANSPORT": transport, "HOSTCALLBACK_EXIT_TIMEOUT": "5"})
     lines = result.stdout.split("\n")
-    assert lines[0].startswith("call failed:") and lines[0].endswith("True True"), result.stderr
-    assert lines[1] == "barrier failed: CallbackException True True", result.stderr
-    assert lines[2] == "barrier again failed: CallbackException True True", result.stderr
+    assert lines[0].startswith("tap failed:") and lines[0].endswith("True True"), result.stderr
+    assert lines[1].startswith("call failed:") and lines[1].endswith("True True"), result.stderr
+    assert lines[2] == "barrier failed: CallbackException True True", result.stderr
+    assert lines[3] == "barrier again failed: CallbackException True True", result.stderr
 
 
 def test_a_hundred_failing_taps_log_one_traceback_and_a_count():

@@ -1,0 +1,53 @@
+// The tapped computations running on one device. Each begins (hostcallback_begin) before its
+// first tap and ends once its fence has seen its taps handled (hostcallback_fence), or when one
+// of our handlers fails it (XLA then skips the rest, fence included: EndFailedOnThisThread).
+// XLA's CPU client orders single-device computations only per dispatching thread, so a barrier
+// sent from one thread cannot queue behind another thread's work: it waits for these instead.
+#ifndef HOSTCALLBACK_NATIVE_COMPUTATIONS_H_
+#define HOSTCALLBACK_NATIVE_COMPUTATIONS_H_
+
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <map>
+#include <utility>
+#include <vector>
+
+namespace hostcallback {
+
+struct ComputationsNow {
+  uint64_t begun = 0;           // ids handed out so far: the next one begins with this id
+  uint64_t oldest_running = 0;  // the lowest id still running (begun when none is)
+  uint64_t running = 0;
+  double seconds_since_end = -1;  // since the last one ended; -1 when none has
+};
+
+class RunningComputations {
+ public:
+  // On the thread that runs the computation, which it remembers until the computation ends.
+  // delivering_batch: the batch the device's receiver was delivering then (0: none).
+  uint64_t Begin(uint64_t delivering_batch);
+  // The batch the receiver was delivering when the running computation began (0: none).
+  uint64_t DeliveringAtBegin(uint32_t id_low_bits);
+  // Ends the running computation whose id has these low 32 bits (what a computation carries).
+  void End(uint32_t id_low_bits);
+  // Forgets those begun before id that are still running (a computation that failed in a way
+  // none of our handlers saw); returns how many.
+  size_t Abandon(uint64_t before_id);
+  ComputationsNow Now();
+
+ private:
+  std::mutex mu_;
+  uint64_t next_id_ = 0;
+  std::map<uint64_t, uint64_t> running_;  // id -> the batch being delivered at its begin
+  std::chrono::steady_clock::time_point last_end_{};
+  bool ended_any_ = false;
+};
+
+// A handler failed the computation this thread runs: the innermost one this thread began ends
+// now, since XLA runs nothing more of it.
+void EndFailedOnThisThread();
+
+}  // namespace hostcallback
+
+#endif  // HOSTCALLBACK_NATIVE_COMPUTATIONS_H_

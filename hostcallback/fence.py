@@ -1,0 +1,178 @@
+"""Ready means handled: a tapped computation ends only once its taps have been handled.
+
+Each computation that holds taps begins with ``fence_begin_p`` and ends with ``fence_end_p``,
+two equations that program_order.py puts around its jaxpr. Both take part in the program-order
+chain of its taps, so the begin comes before the first tap and the end after the last, on every
+device that runs the computation. They lower to ``hostcallback_begin`` and ``hostcallback_fence``
+(_native/ffi_handlers.cc): the fence waits until the device's receiver has handled every record
+enqueued so far, so ``block_until_ready()``, ``np.asarray(result)`` and anything else that waits
+for the results also waits for the taps, as it does for JAX's own callbacks. A receiver that has
+caught up costs the fence nothing; one that has not is woken at once. The pair also tells
+barriers which tapped computations run on a device (_native/computations.h), whichever thread
+dispatched them.
+
+``configure(delivery="dispatch")`` also registers a host callback that is never called with the
+computation: jaxlib then runs it while dispatching it on CPU, as it runs computations with JAX's
+own callbacks, so the dispatching call returns only once its taps were handled.
+``configure(delivery="async")`` (``HOSTCALLBACK_DELIVERY=async``) lowers both to nothing in the
+computations compiled after it: results are ready as soon as the device is done, and the taps
+are delivered behind them. So does a platform without our native handlers. This module only
+writes computations; it never waits itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from hostcallback import _jax as jx
+from hostcallback import config
+from hostcallback._jax import mlir
+from hostcallback._native import outfeed
+
+BEGIN_TARGET = "hostcallback_begin"
+FENCE_TARGET = "hostcallback_fence"
+# A computation's id, as its begin hands it to its fence: the low 32 bits of the core's id.
+ID_AVAL = jx.ShapedArray((), np.uint32)
+
+# XLA's CPU client runs a computation of fewer than 1000 floating-point operations while it is
+# dispatched, on the dispatching thread: a fenced one would make the dispatch itself wait for
+# its taps. The fence takes a sum of this many values made from the computation's id, which XLA
+# can neither fold nor skip, so that every fenced computation is dispatched asynchronously.
+_WEIGHT_ELEMENTS = 2048
+_WEIGHT_AVAL = jx.ShapedArray((), np.uint32)
+
+_lower_begin = jax.ffi.ffi_lowering(BEGIN_TARGET, has_side_effect=True)
+_lower_fence = jax.ffi.ffi_lowering(FENCE_TARGET, has_side_effect=True)
+
+fence_begin_p = jx.Primitive("hostcallback_fence_begin")
+fence_end_p = jx.Primitive("hostcallback_fence_end")
+fence_end_p.multiple_results = True
+
+
+def _fenced(ctx) -> bool:
+    """Unless delivery is async, on a platform our native handlers run on (the callback
+    transport's taps join the same queues there)."""
+    platforms = ctx.module_context.platforms
+    return (config.settings.delivery != "async" and len(platforms) == 1
+            and platforms[0] == outfeed.NATIVE_PLATFORM)
+
+
+def _never_called(*args):
+    raise AssertionError("hostcallback's placeholder host callback was called")
+
+
+def _on_every_device(ctx, primitive, args, **params):
+    """In a jit that XLA partitions over several devices, each device runs the op on its own:
+    a shard_map over all of them (as a whole-value tap does, sharded_lowering.py), else None."""
+    axis_context = ctx.module_context.axis_context
+    if not (isinstance(axis_context, jx.ShardingContext) and axis_context.num_devices > 1):
+        return None
+    devices = np.empty(len(axis_context.device_assignment), dtype=object)
+    devices[:] = list(axis_context.device_assignment)
+    mesh = jax.sharding.Mesh(devices, ("_hostcallback_devices",))
+    whole = jax.sharding.PartitionSpec()
+    body = (lambda *xs: primitive.bind(*xs, **params)) if primitive.multiple_results else (
+        lambda *xs: [primitive.bind(*xs, **params)])
+    with jx.outside_abstract_mesh():
+        region = jax.shard_map(body, mesh=mesh, in_specs=whole, out_specs=whole, check_vma=False)
+        return mlir.lower_fun(region, multiple_results=True)(ctx, *args)
+
+
+def _chain_tokens(ctx, effects) -> list:
+    return [ctx.tokens_in.get(effect) for effect in effects if effect in ctx.tokens_in.effects()]
+
+
+def _pass_tokens(ctx, effects, token) -> None:
+    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet(
+        {effect: token for effect in effects if effect in ctx.tokens_in.effects()})))
+
+
+def _manual(ctx, op, ranks) -> None:
+    if isinstance(ctx.module_context.axis_context, jx.SPMDAxisContext):
+        jx.set_sharding(ctx.module_context, op, jx.manual_sharding(ranks))
+
+
+# ---- the begin ---------------------------------------------------------------------------------
+
+
+def _begin_abstract_eval(*, chains):
+    return ID_AVAL, set(chains)
+
+
+fence_begin_p.def_effectful_abstract_eval(_begin_abstract_eval)
+
+
+def _begin_lowering(ctx, *, chains):
+    if not _fenced(ctx):
+        ctx.set_tokens_out(ctx.tokens_in)
+        return [mlir.ir_constant(np.uint32(0))]
+    outs = _on_every_device(ctx, fence_begin_p, [], chains=chains)
+    if outs is not None:
+        return outs
+    (token,) = _chain_tokens(ctx, chains)[:1] or [jx.hlo.create_token()]
+    call_ctx = dataclasses.replace(ctx, avals_in=[jx.abstract_token],
+                                   avals_out=[jx.abstract_token, ID_AVAL])
+    token_out, ident = _lower_begin(call_ctx, token)
+    _manual(ctx, token_out.owner, [0, 0])
+    if config.settings.delivery == "dispatch":
+        jx.add_host_callback(ctx, _never_called)
+    _pass_tokens(ctx, chains, token_out)
+    return [ident]
+
+
+mlir.register_lowering(fence_begin_p, _begin_lowering, cacheable=False)
+
+# ---- the end -----------------------------------------------------------------------------------
+
+
+def _end_abstract_eval(ident, *, chains):
+    return [], set(chains)
+
+
+fence_end_p.def_effectful_abstract_eval(_end_abstract_eval)
+
+
+def _end_lowering(ctx, ident, *, chains):
+    if not _fenced(ctx):
+        ctx.set_tokens_out(ctx.tokens_in)
+        return []
+    outs = _on_every_device(ctx, fence_end_p, [ident], chains=chains)
+    if outs is not None:
+        return []
+    tokens = _chain_tokens(ctx, chains) or [jx.hlo.create_token()]
+    call_ctx = dataclasses.replace(
+        ctx, avals_in=[jx.abstract_token] * len(tokens) + [ID_AVAL, _WEIGHT_AVAL],
+        avals_out=[jx.abstract_token])
+    (token_out,) = _lower_fence(call_ctx, *tokens, ident, _weight(ident))
+    _manual(ctx, token_out.owner, [0])
+    _pass_tokens(ctx, chains, token_out)
+    return []
+
+
+mlir.register_lowering(fence_end_p, _end_lowering, cacheable=False)
+
+
+def _weight(ident):
+    """sum(iota(_WEIGHT_ELEMENTS) + ident): _WEIGHT_ELEMENTS operations on run-time data."""
+    u32 = jx.ir.IntegerType.get_unsigned(32)
+    vector = jx.ir.RankedTensorType.get([_WEIGHT_ELEMENTS], u32)
+    scalar = jx.ir.RankedTensorType.get([], u32)
+    values = jx.hlo.add(jx.hlo.iota(vector, 0), jx.hlo.broadcast_in_dim(vector, ident, []))
+    zero = mlir.ir_constant(np.uint32(0))
+    reduce = jx.hlo.ReduceOp([scalar], [values], [zero], [0])
+    block = reduce.regions[0].blocks.append(scalar, scalar)
+    with jx.ir.InsertionPoint(block):
+        jx.hlo.return_([jx.hlo.add(*block.arguments)])
+    return reduce.result
+
+
+def around(eqns: list, effects: frozenset, make_eqn) -> list:
+    """``eqns`` between a begin and an end that take part in the chains of ``effects``;
+    ``make_eqn(invars, outvars, primitive, params)`` builds an equation."""
+    ident = jx.Var(ID_AVAL)
+    params = {"chains": tuple(sorted(effects, key=str))}
+    return [make_eqn([], [ident], fence_begin_p, params), *eqns,
+            make_eqn([ident], [], fence_end_p, params)]

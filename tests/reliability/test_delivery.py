@@ -1,0 +1,169 @@
+"""Ready means handled, and every wait covers the work dispatched before it, from any thread.
+
+Each computation here runs for tens of milliseconds and is still running when the code under
+test looks: a loop's results waited for, a script that just ends (also with its loop on a second
+thread), a barrier with a timeout, a barrier on another thread, a stop with a timeout, and the
+pytest plugin's wait after a test.
+"""
+
+import json
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import run_pytest, run_python
+from jax import lax
+
+import hostcallback as hcb
+from hostcallback import config
+
+STEPS = 10
+
+
+def _slow_loop(tap):
+    """A jitted loop of STEPS steps of matrix products (several ms each) that taps each step."""
+
+    def body(i, c):
+        c = jnp.tanh(c @ c) / 2.0
+        tap(i, c)
+        return c
+
+    return jax.jit(lambda x: lax.fori_loop(0, STEPS, body, x))
+
+
+TAPS = {
+    "id_tap": lambda seen: lambda i, c: hcb.id_tap(lambda v, _: seen.append(int(v)), i),
+    "debug.callback": lambda seen: lambda i, c: hcb.debug.callback(
+        lambda v: seen.append(int(v)), i),
+}
+
+
+@pytest.mark.parametrize("api", sorted(TAPS))
+def test_results_ready_means_every_tap_of_the_computation_was_handled(transport, api):
+    seen: list[int] = []
+    loop = _slow_loop(TAPS[api](seen))
+    x = jnp.ones((200, 200)) / 200
+    short = 0
+    for _ in range(20):
+        seen.clear()
+        loop(x).block_until_ready()
+        short += len(seen) < STEPS
+    assert short == 0
+
+
+def test_id_print_has_printed_once_the_result_is_ready(transport, capsys):
+    loop = _slow_loop(lambda i, c: hcb.id_print(i, what="step"))
+    np.asarray(loop(jnp.ones((200, 200)) / 200))
+    assert capsys.readouterr().out.count("what: step") == STEPS
+
+
+def test_async_delivery_makes_results_ready_before_their_taps_are_handled(transport):
+    release = threading.Event()
+    with config.override(delivery="async"):
+        stuck_loop = _slow_loop(lambda i, c: hcb.id_tap(lambda v, _: release.wait(30), i))
+        stuck_loop(jnp.ones((200, 200))).block_until_ready()  # would wait 30 s a tap otherwise
+    release.set()
+    hcb.barrier_wait(timeout=60)
+
+
+LONG = """
+import jax, jax.numpy as jnp, time
+from jax import lax
+import hostcallback as hcb
+
+def long_step(x):
+    x = lax.fori_loop(0, {rounds}, lambda i, c: jnp.tanh(c @ c) / 2, x)
+    return hcb.id_tap(lambda v, _: print("tapped", flush=True), x.sum())
+"""
+
+SCRIPT_THAT_JUST_ENDS = LONG + """
+def loop():
+    x = jnp.ones((300, 300)) / 300
+    for step in range(20):
+        x = jax.jit(long_step)(x) * jnp.ones((300, 300))
+{start}
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("where", ["main thread", "second thread"])
+@pytest.mark.parametrize("transport", ["native", "callback"])
+def test_a_script_that_just_ends_delivers_every_tap_of_its_loop(transport, where):
+    start = "loop()" if where == "main thread" else (
+        "import threading\nthreading.Thread(target=loop).start()")
+    result = run_python(SCRIPT_THAT_JUST_ENDS.format(rounds=20, start=start), devices=1,
+                        env={"HOSTCALLBACK_TRANSPORT": transport})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split().count("tapped") == 20, result.stderr[-3000:]
+    assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr
+
+
+WAITS_AFTER_DISPATCH = LONG + """
+import json, threading, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+how, shape = {how!r}, {shape!r}
+x = jnp.ones((256, 256)) / 256
+if shape == "one device":
+    out = jax.jit(long_step)(x)
+elif shape == "pmap":
+    out = jax.pmap(long_step)(jnp.stack([x] * 4))
+else:
+    mesh = jax.make_mesh((4,), ("i",))
+    out = jax.jit(long_step)(jax.device_put(jnp.stack([x] * 4), NamedSharding(mesh, P("i"))))
+ready_before = out.is_ready()
+if how == "barrier with a timeout":
+    hcb.barrier_wait(timeout=60)
+elif how == "barrier on another thread":
+    waiter = threading.Thread(target=hcb.barrier_wait)
+    waiter.start()
+    waiter.join()
+else:
+    hcb.stop_outfeed_receiver(timeout=60)
+print(json.dumps({{"ready_before": ready_before}}), flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("shape", ["one device", "pmap", "sharded jit"])
+@pytest.mark.parametrize("how", ["barrier with a timeout", "barrier on another thread",
+                                 "stop with a timeout"])
+def test_waits_cover_a_computation_still_running(how, shape):
+    result = run_python(WAITS_AFTER_DISPATCH.format(rounds=60, how=how, shape=shape), devices=4)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.split("\n")
+    report = json.loads([line for line in lines if line.startswith("{")][-1])
+    assert not report["ready_before"], "the computation had finished: the test proves nothing"
+    taps = lines.index(next(line for line in lines if line.startswith("{")))
+    expected = 1 if shape != "pmap" else 4
+    assert lines[:taps].count("tapped") == expected, result.stdout
+
+
+PLUGIN_SAMPLE = """
+    import jax, jax.numpy as jnp
+    from jax import lax
+    import hostcallback as hcb
+
+    def broken(arg, transforms):
+        raise ValueError("consumer broke after the test")
+
+    def test_leaves_a_tapping_computation_running():
+        x = jnp.ones((300, 300)) / 300
+        jax.jit(lambda x: hcb.id_tap(broken, lax.fori_loop(
+            0, 60, lambda i, c: jnp.tanh(c @ c) / 2, x).sum()))(x)
+
+    def test_the_next_one():
+        pass
+    """
+
+
+@pytest.mark.timeout(240)
+def test_the_plugin_fails_the_test_that_left_a_failing_tap_running(tmp_path):
+    (tmp_path / "test_sample.py").write_text(
+        "\n".join(line[4:] for line in PLUGIN_SAMPLE.splitlines()))
+    result = run_pytest(tmp_path, "-rA", "test_sample.py")
+    assert "consumer broke after the test" in result.stdout, result.stdout[-3000:]
+    assert "FAILED test_sample.py::test_leaves_a_tapping_computation_running" in result.stdout
+    assert "PASSED test_sample.py::test_the_next_one" in result.stdout

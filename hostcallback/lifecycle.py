@@ -108,6 +108,7 @@ class Lifecycle:
         self._flush_hooks: weakref.WeakSet = weakref.WeakSet()
         self._marker_computations: dict[str, tuple] = {}  # per transport, built on first use
         self._probes: list[tuple] = []  # (computation, its argument), built on first use
+        self._stop_gave_up = False  # stop()'s barrier timed out
 
     def ensure_started(self) -> None:
         """Starts one receiver per local device, once; refuses after stop_outfeed_receiver()."""
@@ -288,6 +289,7 @@ class Lifecycle:
             self.barrier_wait(timeout=None if timeout is None else timeout * _BARRIER_SHARE,
                               raise_errors=False, notice_after=notice_after, follow_long=True)
         except (TimeoutError, CallbackException) as error:
+            self._stop_gave_up = isinstance(error, TimeoutError)
             logger.warning("hostcallback: %s", error)
         return self._pool.close(deadline)
 
@@ -296,6 +298,9 @@ class Lifecycle:
         the rest (one line says how many), and a receiver finishes at most its batch. A consumer
         that outlasts the deadline may still be running when the interpreter finalizes."""
         self._pool.exiting = True
+        # Taps that find the queues closed from now on are dropped and counted, not errors that
+        # JAX's own exit handlers would print: the warning below says what was left.
+        outfeed.set_exiting()
         timeout = config.settings.exit_timeout_s
         start = time.monotonic()
         deadline = start + timeout
@@ -310,10 +315,11 @@ class Lifecycle:
             return
         self.run_flush_hooks(deadline)
         self._pool.failures.log.flush()
-        if undelivered:
-            logger.warning("hostcallback: %d tap records were not delivered before exit (waited "
-                           "%.1f s of HOSTCALLBACK_EXIT_TIMEOUT=%g s; set it higher to wait "
-                           "longer)", undelivered, time.monotonic() - start, timeout)
+        if undelivered or self._stop_gave_up:
+            logger.warning("hostcallback: %d tap records were not delivered before exit, and the "
+                           "taps of computations still running are dropped (waited %.1f s of "
+                           "HOSTCALLBACK_EXIT_TIMEOUT=%g s; set it higher to wait longer)",
+                           undelivered, time.monotonic() - start, timeout)
         if self._pool.failures.count:
             logger.error("hostcallback: %d tap consumer(s) raised and no barrier_wait reported it",
                          self._pool.failures.count)

@@ -331,6 +331,15 @@ void SetAllClosed(bool closed) {
   g_responses.SetClosed(closed);  // calls still waiting for an answer fail instead of hanging
 }
 
+namespace {
+std::atomic<bool> g_exiting{false};
+std::atomic<uint64_t> g_dropped_at_exit{0};
+}  // namespace
+
+void SetExiting() { g_exiting.store(true); }
+
+uint64_t DroppedAtExit() { return g_dropped_at_exit.load(); }
+
 void SetQueueBudget(uint64_t max_queue_bytes) {
   g_max_queue_bytes.store(max_queue_bytes);
   std::lock_guard<std::mutex> lock(g_queues.mu);
@@ -354,6 +363,11 @@ int64_t Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews
     throw;
   }
   if (pushed < 0) ReleaseRecord(record);
+  if (pushed == DeviceQueue::kClosed && !expects_response && g_exiting.load() &&
+      consumer_id != kBarrierMarkerId) {
+    g_dropped_at_exit.fetch_add(1);
+    return DeviceQueue::kDroppedAtExit;
+  }
   return pushed;
 }
 

@@ -70,7 +70,8 @@ class RecordRing {
 // steady small traffic. Nothing is ever refused for its size or dropped.
 class DeviceQueue {
  public:
-  static constexpr int64_t kClosed = -1, kTimedOut = -2;
+  // kDroppedAtExit: a tap that found the queues closed by interpreter exit (SetExiting).
+  static constexpr int64_t kClosed = -1, kTimedOut = -2, kDroppedAtExit = -3;
 
   // What WaitHandled found.
   enum class Handled { kYes, kStopped, kFailed, kTimedOut, kOwnReceiver };
@@ -201,10 +202,16 @@ void SetAllClosed(bool closed);
 // A new byte budget for every queue, taking effect at once for producers waiting for room.
 void SetQueueBudget(uint64_t max_queue_bytes);
 
+// Interpreter exit has given up waiting: a tap that finds its queue closed from now on is
+// dropped and counted (DroppedAtExit) instead of failing its computation, whose error JAX's own
+// exit handlers would print; exit's warning has said how much was left.
+void SetExiting();
+uint64_t DroppedAtExit();
+
 // ---- joining a queue --------------------------------------------------------------------------
 
-// The record's sequence number, or DeviceQueue::kClosed or kTimedOut (WhyNotEnqueued says
-// why: no message is built for a tap that went in). timeout_s bounds the wait for room (a
+// The record's sequence number, or DeviceQueue::kClosed, kTimedOut (WhyNotEnqueued says why: no
+// message is built for a tap that went in) or kDroppedAtExit (a tap: not an error). timeout_s bounds the wait for room (a
 // `call`'s timeout; 0: forever). Throws bad_alloc when the record cannot be allocated; the
 // record never leaks. held_bytes: see Record.
 int64_t Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,

@@ -108,6 +108,7 @@ ffi::Error TapImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consum
     DeviceQueue* queue = NativeQueueFor(device_ordinal);
     const int64_t pushed =
         Enqueue(queue, device_ordinal, consumer_id, ArrayViews(views, count), 0, 0, &pool);
+    if (pushed == DeviceQueue::kDroppedAtExit) return ffi::Error::Success();
     if (pushed < 0) return ffi::Error::Internal(WhyNotEnqueued(queue, pushed, 0));
     if (kAwaitHandled) return AwaitHandled(queue);
     return ffi::Error::Success();

@@ -127,7 +127,9 @@ void EnqueueFromPython(int device, uint64_t consumer_id, const HostLeaves& leave
     FlushOwnReleases();
     pushed = Enqueue(queue, device, consumer_id, arrays, flags, 0, nullptr, held_bytes);
   }
-  if (pushed < 0) throw std::runtime_error(WhyNotEnqueued(queue, pushed, 0));
+  if (pushed < 0 && pushed != DeviceQueue::kDroppedAtExit) {
+    throw std::runtime_error(WhyNotEnqueued(queue, pushed, 0));
+  }
 }
 
 void EnqueueFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves,
@@ -373,6 +375,10 @@ void DefineModule(nb::module_& m) {
         nb::arg("platform") = kNativePlatform,
         "Its receiver is gone: every waiting and future tap or call on this queue fails with the "
         "reason; what it holds can still be drained.");
+  m.def("set_exiting", &SetExiting,
+        "Interpreter exit has given up waiting: from now on a tap that finds its queue closed "
+        "is dropped and counted (dropped_at_exit) instead of failing its computation.");
+  m.def("dropped_at_exit", &DroppedAtExit);
   m.def("set_max_queue_bytes", &SetMaxQueueBytes, nb::arg("max_queue_bytes"));
   m.def("max_queue_bytes", []() { return g_max_queue_bytes.load(); });
   m.def("pooled_bytes", []() { return g_pool.PooledBytes(); },

@@ -8,6 +8,7 @@ pytest plugin's wait after a test.
 
 import json
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +69,58 @@ def test_async_delivery_makes_results_ready_before_their_taps_are_handled(transp
     hcb.barrier_wait(timeout=60)
 
 
+def test_dispatch_delivery_makes_the_dispatching_call_wait_for_the_taps(transport):
+    seen: list[float] = []
+
+    def slow(value, _):
+        time.sleep(0.2)
+        seen.append(float(value))
+
+    tapped = jax.jit(lambda x: hcb.id_tap(slow, (x @ x).sum()))
+    x = jnp.ones((200, 200))
+    with config.override(delivery="dispatch"):  # compiled, and so lowered, here
+        tapped(x).block_until_ready()
+    seen.clear()
+    tapped(x)
+    assert len(seen) == 1  # as jax.debug.callback on CPU: dispatch ran the whole computation
+
+
+def test_a_delivery_that_does_not_exist_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="delivery='later': choose one of handled, dispatch"):
+        hcb.configure(delivery="later")
+    result = run_python("import hostcallback", env={"HOSTCALLBACK_DELIVERY": "later"})
+    assert result.returncode != 0
+    assert "HOSTCALLBACK_DELIVERY='later': choose one of handled, dispatch, async" in result.stderr
+
+
+NESTED = """
+import sys, time, jax, jax.numpy as jnp
+import hostcallback as hcb
+
+inner = jax.jit(lambda x: hcb.id_tap(lambda v, _: print("inner tap", flush=True), (x @ x).sum()))
+x = jnp.ones((200, 200))
+inner(x).block_until_ready()   # compiled here, outside any consumer
+
+def consumer(v, _):            # runs a tapped computation on its own device, and waits for it
+    start = time.monotonic()
+    inner(x).block_until_ready()
+    print(f"inner ready after {time.monotonic() - start:.0f} s", flush=True)
+
+jax.jit(lambda x: hcb.id_tap(consumer, x.sum()))(x).block_until_ready()
+hcb.barrier_wait(timeout=60)
+print("done", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_consumer_waiting_for_its_own_devices_tapped_computation_is_released_saying_so():
+    result = run_python(NESTED, devices=1, timeout=100)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done" in result.stdout and result.stdout.count("inner tap") == 2, result.stdout
+    assert "inner ready after 5 s" in result.stdout, result.stdout
+    assert "it ends without waiting for its own taps" in result.stderr, result.stderr[-3000:]
+
+
 LONG = """
 import jax, jax.numpy as jnp, time
 from jax import lax
@@ -88,6 +141,8 @@ def loop():
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.needs_internals("waits that cover computations dispatched from another thread whose "
+                             "results nobody holds", where="second thread")
 @pytest.mark.parametrize("where", ["main thread", "second thread"])
 @pytest.mark.parametrize("transport", ["native", "callback"])
 def test_a_script_that_just_ends_delivers_every_tap_of_its_loop(transport, where):
@@ -98,6 +153,33 @@ def test_a_script_that_just_ends_delivers_every_tap_of_its_loop(transport, where
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split().count("tapped") == 20, result.stderr[-3000:]
     assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr
+
+
+GIVES_UP = LONG + """
+def slow(v, _):
+    time.sleep(0.2)
+
+def step(x):
+    x = lax.fori_loop(0, {rounds}, lambda i, c: jnp.tanh(c @ c) / 2, x)
+    hcb.id_tap(slow, x.sum())
+    return x * jnp.ones_like(x)
+
+x = jnp.ones((300, 300)) / 300
+for i in range(30):
+    x = jax.jit(step)(x)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_an_exit_that_gives_up_on_running_computations_says_so_and_jax_prints_nothing():
+    # (On the callback transport on CPU, jaxlib runs each step while dispatching it, as it runs
+    # any computation with JAX's host callbacks: nothing is left running at exit.)
+    result = run_python(GIVES_UP.format(rounds=5), devices=1, timeout=100,
+                        env={"HOSTCALLBACK_EXIT_TIMEOUT": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "the taps of computations still running are dropped" in result.stderr, result.stderr
+    assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr, \
+        result.stderr[-3000:]
 
 
 WAITS_AFTER_DISPATCH = LONG + """
@@ -127,6 +209,7 @@ print(json.dumps({{"ready_before": ready_before}}), flush=True)
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.needs_internals("taps in a jit over a sharded mesh", shape="sharded jit")
 @pytest.mark.parametrize("shape", ["one device", "pmap", "sharded jit"])
 @pytest.mark.parametrize("how", ["barrier with a timeout", "barrier on another thread",
                                  "stop with a timeout"])

@@ -64,6 +64,8 @@ def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
     del device_index  # one device runs a computation that is not split over several
     if ordered:
         _refuse("ordered=True (HOSTCALLBACK_ORDERED=1)")
+    if config.settings.delivery == "dispatch":
+        _refuse('delivery="dispatch" (HOSTCALLBACK_DELIVERY=dispatch)')
     if partitioned:
         _refuse("partitioned=True")
     if replays != "deliver":

@@ -73,10 +73,38 @@ ffi::Error Guarded(Body body, bool ends_on_failure = true) noexcept {
 
 constexpr size_t kArraysOnStack = 16;
 
-// Waits until the device's receiver has handled every record the device enqueued so far; fails
-// only when the receiver died (a stopped one waits no longer).
-ffi::Error AwaitHandled(DeviceQueue* queue) {
-  if (queue->WaitHandled(0) == DeviceQueue::Handled::kFailed) {
+// How long a wait for taps to be handled waits for a receiver that has been delivering one
+// batch since before the computation began, before it takes the computation for one that this
+// batch's consumer started and waits for (so the receiver could never come back for its taps),
+// and lets it go on.
+constexpr double kNestedGraceSeconds = 5.0;
+
+void SayNestedOnce() {
+  static std::atomic<bool> said{false};
+  if (said.exchange(true)) return;
+  std::fprintf(stderr, "hostcallback: a tapped computation began while its device's receiver was "
+               "running a consumer, which has not returned for %g s: taken for one that the "
+               "consumer started and waits for, it ends without waiting for its own taps (they "
+               "follow once the consumer returns). Run such work on another thread, or with "
+               "hostcallback.configure(delivery=\"async\").\n", kNestedGraceSeconds);
+  std::fflush(stderr);
+}
+
+// Waits until the device's receiver has handled every tap enqueued so far, or a consumer seems to
+// wait for this very computation (see kNestedGraceSeconds; delivering_at_begin is what
+// DeliveringBatch() said when the computation began). Fails only when the receiver died (a
+// stopped one waits no longer).
+ffi::Error AwaitTapsHandled(DeviceQueue* queue, uint64_t delivering_at_begin) {
+  const uint64_t target = queue->TapsEnqueued();
+  DeviceQueue::Handled handled;
+  while ((handled = queue->WaitHandled(target, kNestedGraceSeconds)) ==
+         DeviceQueue::Handled::kTimedOut) {
+    if (delivering_at_begin != 0 && queue->DeliveringBatch() == delivering_at_begin) {
+      SayNestedOnce();
+      break;
+    }
+  }
+  if (handled == DeviceQueue::Handled::kFailed) {
     return ffi::Error::Internal(queue->ClosedReason());
   }
   return ffi::Error::Success();
@@ -106,11 +134,12 @@ ffi::Error TapImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consum
     size_t count = 0;
     if (ffi::Error error = CollectArrays(args, views, &count); error.failure()) return error;
     DeviceQueue* queue = NativeQueueFor(device_ordinal);
+    const uint64_t delivering = kAwaitHandled ? queue->DeliveringBatch() : 0;
     const int64_t pushed =
         Enqueue(queue, device_ordinal, consumer_id, ArrayViews(views, count), 0, 0, &pool);
     if (pushed == DeviceQueue::kDroppedAtExit) return ffi::Error::Success();
     if (pushed < 0) return ffi::Error::Internal(WhyNotEnqueued(queue, pushed, 0));
-    if (kAwaitHandled) return AwaitHandled(queue);
+    if (kAwaitHandled) return AwaitTapsHandled(queue, delivering);
     return ffi::Error::Success();
   });
 }
@@ -135,22 +164,6 @@ ffi::Error BeginImpl(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
   });
 }
 
-// How long a fence waits for a receiver that has been delivering one batch since before the
-// computation began, before it takes the computation for one that this batch's consumer started
-// and waits for (so the receiver could never come back for its taps), and lets it end.
-constexpr double kNestedGraceSeconds = 5.0;
-
-void SayNestedOnce() {
-  static std::atomic<bool> said{false};
-  if (said.exchange(true)) return;
-  std::fprintf(stderr, "hostcallback: a tapped computation began while its device's receiver was "
-               "running a consumer, which has not returned for %g s: taken for one that the "
-               "consumer started and waits for, it ends without waiting for its own taps (they "
-               "follow once the consumer returns). Run such work on another thread, or with "
-               "hostcallback.configure(delivery=\"async\").\n", kNestedGraceSeconds);
-  std::fflush(stderr);
-}
-
 // The end of a tapped computation, after its taps (their tokens): waits until the device's
 // receiver has handled every tap enqueued so far, so that the computation's results are ready
 // only once its taps were handled; then ends the computation its begin's id names.
@@ -169,20 +182,9 @@ ffi::Error FenceImpl(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
       has_id = true;  // (the first uint32 operand; the weight follows it)
     }
     const uint64_t began_in_batch = has_id ? queue->computations.DeliveringAtBegin(id) : 0;
-    const uint64_t target = queue->TapsEnqueued();
-    DeviceQueue::Handled handled;
-    while ((handled = queue->WaitHandled(target, kNestedGraceSeconds)) ==
-           DeviceQueue::Handled::kTimedOut) {
-      if (began_in_batch != 0 && queue->DeliveringBatch() == began_in_batch) {
-        SayNestedOnce();
-        break;
-      }
-    }
+    ffi::Error handled = AwaitTapsHandled(queue, began_in_batch);
     if (has_id) queue->computations.End(id);
-    if (handled == DeviceQueue::Handled::kFailed) {
-      return ffi::Error::Internal(queue->ClosedReason());
-    }
-    return ffi::Error::Success();
+    return handled;
   }, /*ends_on_failure=*/false);
 }
 

@@ -37,6 +37,8 @@ class _QueueStats(TypedDict):
     receiver_wakeups: int
     receivers_waiting: int
     fences_waiting: int
+    fence_waits: int
+    fence_wait_seconds: float
     calls_waiting: int
     answers_unclaimed: int
 

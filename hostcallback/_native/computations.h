@@ -42,6 +42,7 @@ class RunningComputations {
   std::map<uint64_t, uint64_t> running_;  // id -> the batch being delivered at its begin
   std::chrono::steady_clock::time_point last_end_{};
   bool ended_any_ = false;
+
 };
 
 // A handler failed the computation this thread runs: the innermost one this thread began ends

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <map>
+#include <thread>
 #include <utility>
 
 #include "buffer_pool.h"
@@ -18,6 +19,8 @@
 namespace hostcallback {
 
 namespace {
+// How long a fence spins for its taps to be handled before it sleeps (WaitHandled).
+constexpr int kSpinMicros = 200;
 // The queue whose batch this thread is delivering (a receiver between two Pops), if any.
 thread_local const DeviceQueue* t_delivering = nullptr;
 }  // namespace
@@ -111,6 +114,7 @@ std::vector<Record> DeviceQueue::Pop(size_t max_records, size_t max_bytes, doubl
   // The receiver asks for more: what it was handed before has been handled.
   if (handled_ != handed_out_) {
     handled_ = handed_out_;
+    handled_published_.store(handled_, std::memory_order_release);
     if (fences_waiting_ > 0) handled_cv_.notify_all();
   }
   batch_records_ = std::max<size_t>(max_records, 1);
@@ -191,14 +195,28 @@ DeviceQueue::Handled DeviceQueue::WaitHandled(uint64_t target, double timeout_s)
   if (handled_ >= target) return Handled::kYes;
   if (t_delivering == this) return Handled::kOwnReceiver;
   auto done = [&] { return handled_ >= target || closed_; };
+  const auto start = std::chrono::steady_clock::now();
   fences_waiting_ += 1;
   if (receivers_waiting_ > 0) not_empty_.notify_all();  // a gathering receiver: hand out now
+  // The receiver usually comes back within tens of microseconds: a wait that sleeps would add a
+  // wake-up of this thread on top, on the path of every step. So spin a little first, yielding.
+  lock.unlock();
+  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+  while (handled_published_.load(std::memory_order_acquire) < target &&
+         std::chrono::steady_clock::now() < spin_until) {
+    std::this_thread::yield();
+  }
+  lock.lock();
   if (WaitsForever(timeout_s)) {
     handled_cv_.wait(lock, done);
   } else {
     handled_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), done);
   }
   fences_waiting_ -= 1;
+  stats_.fence_waits += 1;
+  stats_.fence_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              std::chrono::steady_clock::now() - start)
+                              .count();
   if (handled_ >= target) return Handled::kYes;
   if (!failure_.empty()) return Handled::kFailed;
   return closed_ ? Handled::kStopped : Handled::kTimedOut;

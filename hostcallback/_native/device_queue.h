@@ -3,6 +3,7 @@
 #ifndef HOSTCALLBACK_NATIVE_DEVICE_QUEUE_H_
 #define HOSTCALLBACK_NATIVE_DEVICE_QUEUE_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -27,6 +28,8 @@ struct QueueStats {
   uint64_t receiver_wakeups = 0;  // times a producer woke the receiver (a syscall on its thread)
   uint64_t receivers_waiting = 0;  // drains waiting on the queue now, GIL released
   uint64_t fences_waiting = 0;  // computations waiting at their end for their taps to be handled
+  uint64_t fence_waits = 0, fence_wait_ns = 0;  // such waits (a fence that found its taps
+                                                // handled already does not wait), and how long
 };
 
 // The records of one queue, oldest first, in a circular buffer that grows by doubling: a
@@ -169,6 +172,7 @@ class DeviceQueue {
   // last tap (not a call, not a barrier marker) that joined is below taps_below_.
   uint64_t handed_out_ = 0, handled_ = 0, taps_below_ = 0;
   size_t fences_waiting_ = 0;
+  std::atomic<uint64_t> handled_published_{0};  // handled_, for a fence that spins unlocked
   uint64_t batches_handed_out_ = 0;
   bool delivering_ = false;
   std::condition_variable handled_cv_;

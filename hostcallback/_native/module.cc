@@ -229,6 +229,8 @@ nb::dict StatsOf(int device, const std::string& platform) {
   d["receiver_wakeups"] = s.receiver_wakeups;
   d["receivers_waiting"] = s.receivers_waiting;
   d["fences_waiting"] = s.fences_waiting;
+  d["fence_waits"] = s.fence_waits;
+  d["fence_wait_seconds"] = static_cast<double>(s.fence_wait_ns) * 1e-9;
   d["calls_waiting"] = calls_waiting;
   d["answers_unclaimed"] = answers_unclaimed;
   return d;

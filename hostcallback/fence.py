@@ -4,10 +4,11 @@ Each computation that holds taps begins with ``fence_begin_p`` and ends with ``f
 two equations that program_order.py puts around its jaxpr. Both take part in the program-order
 chain of its taps, so the begin comes before the first tap and the end after the last, on every
 device that runs the computation. They lower to ``hostcallback_begin`` and ``hostcallback_fence``
-(_native/ffi_handlers.cc): the fence waits until the device's receiver has handled every record
+(_native/ffi_handlers.cc): the fence waits until the device's receiver has handled every tap
 enqueued so far, so ``block_until_ready()``, ``np.asarray(result)`` and anything else that waits
 for the results also waits for the taps, as it does for JAX's own callbacks. A receiver that has
-caught up costs the fence nothing; one that has not is woken at once. The pair also tells
+caught up costs the fence one lock; one that has not is woken at once. A receiver stuck in one
+consumer for 5 s lets the fence go on (the consumer may wait for this computation's results). The pair also tells
 barriers which tapped computations run on a device (_native/computations.h), whichever thread
 dispatched them.
 
@@ -23,6 +24,7 @@ writes computations; it never waits itself.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import jax
 import numpy as np
@@ -52,12 +54,25 @@ fence_end_p = jx.Primitive("hostcallback_fence_end")
 fence_end_p.multiple_results = True
 
 
+# Per MLIR module being lowered: the delivery its begin was lowered with, so that its end keeps
+# it even if configure() changes the setting meanwhile (a begin without its fence would leave a
+# computation running for good).
+_deliveries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _delivery(ctx) -> str:
+    """The module's delivery: "async" on a platform our native handlers do not run on (the
+    callback transport's taps join the same queues where they do)."""
+    module = ctx.module_context.module
+    if module not in _deliveries:
+        platforms = ctx.module_context.platforms
+        native = len(platforms) == 1 and platforms[0] == outfeed.NATIVE_PLATFORM
+        _deliveries[module] = config.settings.delivery if native else "async"
+    return _deliveries[module]
+
+
 def _fenced(ctx) -> bool:
-    """Unless delivery is async, on a platform our native handlers run on (the callback
-    transport's taps join the same queues there)."""
-    platforms = ctx.module_context.platforms
-    return (config.settings.delivery != "async" and len(platforms) == 1
-            and platforms[0] == outfeed.NATIVE_PLATFORM)
+    return _delivery(ctx) != "async"
 
 
 def _never_called(*args):
@@ -117,7 +132,7 @@ def _begin_lowering(ctx, *, chains):
                                    avals_out=[jx.abstract_token, ID_AVAL])
     token_out, ident = _lower_begin(call_ctx, token)
     _manual(ctx, token_out.owner, [0, 0])
-    if config.settings.delivery == "dispatch":
+    if _delivery(ctx) == "dispatch":
         jx.add_host_callback(ctx, _never_called)
     _pass_tokens(ctx, chains, token_out)
     return [ident]

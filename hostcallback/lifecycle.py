@@ -48,7 +48,8 @@ _BARRIER_SHARE = 0.8  # of stop()'s (and so of exit's) one deadline
 _FOLLOW_SECONDS = 0.02
 _FOLLOW_SECONDS_AT_STOP = 0.2
 _FOLLOWED_AT_MOST = 32
-_READY_POLL_SECONDS = 0.002
+_READY_POLL_SECONDS = 0.001
+_READY_POLL_MAX_SECONDS = 0.02
 _EXIT_NOTICE_SECONDS = 3.0  # exit says what it waits for once it has waited this long
 # The portable barrier's fence computations tap marker + 2 (and + 3): values of its own, which
 # fit in uint32 (a marker travels as uint32 when x64 is off) and no barrier waits for.
@@ -283,9 +284,11 @@ class Lifecycle:
             self._pool.mark_stopped()
             return 0
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._stop_gave_up = False
         try:
             # The barrier gets most of the deadline; the rest is for the computations that
-            # closing the queues wakes (they fail with "stopped") and for the joins.
+            # closing the queues wakes (their taps fail with "stopped", or at exit are dropped)
+            # and for the joins.
             self.barrier_wait(timeout=None if timeout is None else timeout * _BARRIER_SHARE,
                               raise_errors=False, notice_after=notice_after, follow_long=True)
         except (TimeoutError, CallbackException) as error:
@@ -298,8 +301,9 @@ class Lifecycle:
         the rest (one line says how many), and a receiver finishes at most its batch. A consumer
         that outlasts the deadline may still be running when the interpreter finalizes."""
         self._pool.exiting = True
-        # Taps that find the queues closed from now on are dropped and counted, not errors that
-        # JAX's own exit handlers would print: the warning below says what was left.
+        # Taps that find the queues closed from now on are dropped (outfeed.dropped_at_exit()
+        # counts them), not errors that JAX's own exit handlers would print; the warning below
+        # says that the taps of computations still running are dropped.
         outfeed.set_exiting()
         timeout = config.settings.exit_timeout_s
         start = time.monotonic()
@@ -356,20 +360,15 @@ def _wait_until_ready(arrays: list, deadline: float | None, timeout: float | Non
     """Raises TimeoutError at the deadline (monotonic); a failed computation is its owner's to
     see, not the barrier's."""
     pending = [array for array in arrays if not _ready_or_gone(array)]
-    while pending:
-        if deadline is None and not notice.pending:
-            for array in pending:
-                try:
-                    array.block_until_ready()
-                except Exception:  # noqa: BLE001 - see above
-                    pass
-            return
+    pause = _READY_POLL_SECONDS
+    while pending:  # polled, never block_until_ready(): a Ctrl-C must be able to end the wait
         if deadline is not None and time.monotonic() >= deadline:
             raise TimeoutError(f"barrier_wait timed out after {timeout} s: {len(pending)} "
                                "result(s) of computations dispatched before it are not ready")
         if notice.due():
             notice.say()
-        time.sleep(_READY_POLL_SECONDS)
+        time.sleep(pause)
+        pause = min(2 * pause, _READY_POLL_MAX_SECONDS)
         pending = [array for array in pending if not _ready_or_gone(array)]
 
 

@@ -52,7 +52,9 @@ def _enqueue_on_host(consumer_id: int, await_handled: bool):
         device = host_device()
         handover.tap(device.id, consumer_id, [np.asarray(a) for a in arrays], device.platform)
         if await_handled:
-            outfeed.await_handled(device.id, 0.0, platform=device.platform)
+            failure = outfeed.await_taps(device.id, platform=device.platform)
+            if failure:
+                raise RuntimeError(failure)
     return enqueue
 
 

@@ -9,7 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <mutex>
-#include <map>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -24,11 +24,10 @@ struct ComputationsNow {
 
 class RunningComputations {
  public:
-  // On the thread that runs the computation, which it remembers until the computation ends.
-  // delivering_batch: the batch the device's receiver was delivering then (0: none).
-  uint64_t Begin(uint64_t delivering_batch);
-  // The batch the receiver was delivering when the running computation began (0: none).
-  uint64_t DeliveringAtBegin(uint32_t id_low_bits);
+  // On the thread that runs the computation, which remembers it while it runs (XLA may end
+  // it on another thread: entries of computations no longer running are pruned there).
+  uint64_t Begin();
+  bool IsRunning(uint64_t id);
   // Ends the running computation whose id has these low 32 bits (what a computation carries).
   void End(uint32_t id_low_bits);
   // Forgets those begun before id that are still running (a computation that failed in a way
@@ -39,14 +38,14 @@ class RunningComputations {
  private:
   std::mutex mu_;
   uint64_t next_id_ = 0;
-  std::map<uint64_t, uint64_t> running_;  // id -> the batch being delivered at its begin
+  std::set<uint64_t> running_;
   std::chrono::steady_clock::time_point last_end_{};
   bool ended_any_ = false;
 
 };
 
-// A handler failed the computation this thread runs: the innermost one this thread began ends
-// now, since XLA runs nothing more of it.
+// A handler failed the computation this thread runs: the innermost one this thread began that
+// is still running ends now, since XLA runs nothing more of it.
 void EndFailedOnThisThread();
 
 }  // namespace hostcallback

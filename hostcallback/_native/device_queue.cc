@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <map>
 #include <thread>
 #include <utility>
@@ -173,6 +174,7 @@ std::vector<Record> DeviceQueue::Pop(size_t max_records, size_t max_bytes, doubl
     t_delivering = this;
     delivering_ = true;
     batches_handed_out_ += 1;
+    batch_began_ = std::chrono::steady_clock::now();
   }
   std::vector<Record> spare = records_.TakeSpare();  // freed after the unlock
   lock.unlock();
@@ -185,9 +187,59 @@ uint64_t DeviceQueue::TapsEnqueued() {
   return taps_below_;
 }
 
-uint64_t DeviceQueue::DeliveringBatch() {
+namespace {
+void SayReleasedOnce(double patience_s) {
+  static std::atomic<bool> said{false};
+  if (said.exchange(true)) return;
+  std::fprintf(stderr, "hostcallback: a device's receiver has been running one consumer for %g "
+               "s: a computation waiting for its taps to be handled goes on without them (they "
+               "follow once the consumer returns), in case the consumer waits for that "
+               "computation's results. queue_stats() counts such computations as "
+               "fences_released. A consumer that runs JAX work should do it on a thread of its "
+               "own, or the computations it waits for should be compiled with "
+               "hostcallback.configure(delivery=\"async\").\n", patience_s);
+  std::fflush(stderr);
+}
+}  // namespace
+
+DeviceQueue::Handled DeviceQueue::AwaitTaps(double patience_s) {
+  const uint64_t target = TapsEnqueued();
+  Handled handled = WaitHandled(target, kNoWait);
+  if (handled != Handled::kTimedOut) return handled;  // caught up already: no wait counted
+  const auto start = std::chrono::steady_clock::now();
+  while (true) {
+    // A batch found stuck already releases at once: every computation waiting behind it would
+    // otherwise pay the patience again.
+    double seconds_in_batch = 0;
+    const uint64_t batch = DeliveringBatch(&seconds_in_batch);
+    if (batch != 0 && (batch == stuck_batch_.load() || seconds_in_batch >= patience_s)) {
+      stuck_batch_.store(batch);
+      handled = Handled::kReleased;
+      break;
+    }
+    handled = WaitHandled(target, patience_s / 10);
+    if (handled != Handled::kTimedOut) break;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.fence_waits += 1;
+    stats_.fence_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::steady_clock::now() - start)
+                                .count();
+    if (handled == Handled::kReleased) stats_.fences_released += 1;
+  }
+  if (handled == Handled::kReleased) SayReleasedOnce(patience_s);
+  return handled;
+}
+
+uint64_t DeviceQueue::DeliveringBatch(double* seconds) {
   std::lock_guard<std::mutex> lock(mu_);
-  return delivering_ ? batches_handed_out_ : 0;
+  if (!delivering_) return 0;
+  if (seconds != nullptr) {
+    *seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - batch_began_).count();
+  }
+  return batches_handed_out_;
 }
 
 DeviceQueue::Handled DeviceQueue::WaitHandled(uint64_t target, double timeout_s) {
@@ -195,7 +247,6 @@ DeviceQueue::Handled DeviceQueue::WaitHandled(uint64_t target, double timeout_s)
   if (handled_ >= target) return Handled::kYes;
   if (t_delivering == this) return Handled::kOwnReceiver;
   auto done = [&] { return handled_ >= target || closed_; };
-  const auto start = std::chrono::steady_clock::now();
   fences_waiting_ += 1;
   if (receivers_waiting_ > 0) not_empty_.notify_all();  // a gathering receiver: hand out now
   // The receiver usually comes back within tens of microseconds: a wait that sleeps would add a
@@ -213,10 +264,6 @@ DeviceQueue::Handled DeviceQueue::WaitHandled(uint64_t target, double timeout_s)
     handled_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), done);
   }
   fences_waiting_ -= 1;
-  stats_.fence_waits += 1;
-  stats_.fence_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                              std::chrono::steady_clock::now() - start)
-                              .count();
   if (handled_ >= target) return Handled::kYes;
   if (!failure_.empty()) return Handled::kFailed;
   return closed_ ? Handled::kStopped : Handled::kTimedOut;

@@ -4,6 +4,7 @@
 #define HOSTCALLBACK_NATIVE_DEVICE_QUEUE_H_
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -30,6 +31,7 @@ struct QueueStats {
   uint64_t fences_waiting = 0;  // computations waiting at their end for their taps to be handled
   uint64_t fence_waits = 0, fence_wait_ns = 0;  // such waits (a fence that found its taps
                                                 // handled already does not wait), and how long
+  uint64_t fences_released = 0;  // waits that AwaitTaps ended on a receiver stuck in a batch
 };
 
 // The records of one queue, oldest first, in a circular buffer that grows by doubling: a
@@ -71,13 +73,17 @@ class RecordRing {
 // wait while the budget is spent and are admitted in arrival order, so a record larger than
 // the whole budget, which waits for an empty queue and then goes in alone, is not overtaken by
 // steady small traffic. Nothing is ever refused for its size or dropped.
+// How long a computation waiting for its taps lets the receiver stay in one batch (AwaitTaps).
+inline constexpr double kTapPatienceSeconds = 5.0;
+
 class DeviceQueue {
  public:
   // kDroppedAtExit: a tap that found the queues closed by interpreter exit (SetExiting).
   static constexpr int64_t kClosed = -1, kTimedOut = -2, kDroppedAtExit = -3;
+  static constexpr double kNoWait = 1e-9;  // a WaitHandled timeout that only checks
 
   // What WaitHandled found.
-  enum class Handled { kYes, kStopped, kFailed, kTimedOut, kOwnReceiver };
+  enum class Handled { kYes, kStopped, kFailed, kTimedOut, kOwnReceiver, kReleased };
 
   explicit DeviceQueue(int device_id) : device(device_id) {}
 
@@ -130,8 +136,16 @@ class DeviceQueue {
   // after the last tap is left out: its device has had its answer or given up on it, and a call
   // function that outlives its call must not keep its computation from ending.
   uint64_t TapsEnqueued();
-  // The batch the receiver is delivering now (a count of batches handed out), 0 between them.
-  uint64_t DeliveringBatch();
+  // The batch the receiver is delivering now (a count of batches handed out), 0 between them;
+  // with seconds, how long it has been delivering it.
+  uint64_t DeliveringBatch(double* seconds = nullptr);
+
+  // WaitHandled for every tap enqueued so far, forever unless the receiver is stuck: once it
+  // has been delivering one batch for patience_s, the wait ends (kReleased, counted as
+  // fences_released, said once on stderr), since a consumer may be waiting for this very
+  // computation (its results, or those of a computation after it), which would otherwise wait
+  // for the consumer forever. Not on the receiver's own thread (kOwnReceiver).
+  Handled AwaitTaps(double patience_s);
 
   void SetClosed(bool closed);
 
@@ -173,8 +187,10 @@ class DeviceQueue {
   uint64_t handed_out_ = 0, handled_ = 0, taps_below_ = 0;
   size_t fences_waiting_ = 0;
   std::atomic<uint64_t> handled_published_{0};  // handled_, for a fence that spins unlocked
+  std::atomic<uint64_t> stuck_batch_{0};  // the last batch AwaitTaps found stuck
   uint64_t batches_handed_out_ = 0;
   bool delivering_ = false;
+  std::chrono::steady_clock::time_point batch_began_{};
   std::condition_variable handled_cv_;
   uint64_t next_ticket_ = 0, admitted_ = 0;
   std::set<uint64_t> given_up_;  // tickets behind admitted_ whose producer stopped waiting

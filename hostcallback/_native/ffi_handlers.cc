@@ -73,37 +73,10 @@ ffi::Error Guarded(Body body, bool ends_on_failure = true) noexcept {
 
 constexpr size_t kArraysOnStack = 16;
 
-// How long a wait for taps to be handled waits for a receiver that has been delivering one
-// batch since before the computation began, before it takes the computation for one that this
-// batch's consumer started and waits for (so the receiver could never come back for its taps),
-// and lets it go on.
-constexpr double kNestedGraceSeconds = 5.0;
-
-void SayNestedOnce() {
-  static std::atomic<bool> said{false};
-  if (said.exchange(true)) return;
-  std::fprintf(stderr, "hostcallback: a tapped computation began while its device's receiver was "
-               "running a consumer, which has not returned for %g s: taken for one that the "
-               "consumer started and waits for, it ends without waiting for its own taps (they "
-               "follow once the consumer returns). Run such work on another thread, or with "
-               "hostcallback.configure(delivery=\"async\").\n", kNestedGraceSeconds);
-  std::fflush(stderr);
-}
-
-// Waits until the device's receiver has handled every tap enqueued so far, or a consumer seems to
-// wait for this very computation (see kNestedGraceSeconds; delivering_at_begin is what
-// DeliveringBatch() said when the computation began). Fails only when the receiver died (a
-// stopped one waits no longer).
-ffi::Error AwaitTapsHandled(DeviceQueue* queue, uint64_t delivering_at_begin) {
-  const uint64_t target = queue->TapsEnqueued();
-  DeviceQueue::Handled handled;
-  while ((handled = queue->WaitHandled(target, kNestedGraceSeconds)) ==
-         DeviceQueue::Handled::kTimedOut) {
-    if (delivering_at_begin != 0 && queue->DeliveringBatch() == delivering_at_begin) {
-      SayNestedOnce();
-      break;
-    }
-  }
+// Waits until the device's receiver has handled every tap enqueued so far (see AwaitTaps);
+// fails only when the receiver died (a stopped one waits no longer).
+ffi::Error AwaitTapsHandled(DeviceQueue* queue) {
+  const DeviceQueue::Handled handled = queue->AwaitTaps(kTapPatienceSeconds);
   if (handled == DeviceQueue::Handled::kFailed) {
     return ffi::Error::Internal(queue->ClosedReason());
   }
@@ -134,12 +107,11 @@ ffi::Error TapImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consum
     size_t count = 0;
     if (ffi::Error error = CollectArrays(args, views, &count); error.failure()) return error;
     DeviceQueue* queue = NativeQueueFor(device_ordinal);
-    const uint64_t delivering = kAwaitHandled ? queue->DeliveringBatch() : 0;
     const int64_t pushed =
         Enqueue(queue, device_ordinal, consumer_id, ArrayViews(views, count), 0, 0, &pool);
     if (pushed == DeviceQueue::kDroppedAtExit) return ffi::Error::Success();
     if (pushed < 0) return ffi::Error::Internal(WhyNotEnqueued(queue, pushed, 0));
-    if (kAwaitHandled) return AwaitTapsHandled(queue, delivering);
+    if (kAwaitHandled) return AwaitTapsHandled(queue);
     return ffi::Error::Success();
   });
 }
@@ -152,7 +124,7 @@ ffi::Error BeginImpl(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
     uint32_t id = 0;
     if (device_ordinal >= 0) {
       DeviceQueue* queue = NativeQueueFor(device_ordinal);
-      id = static_cast<uint32_t>(queue->computations.Begin(queue->DeliveringBatch()));
+      id = static_cast<uint32_t>(queue->computations.Begin());
     }
     for (size_t i = 0; i < rets.size(); ++i) {
       ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
@@ -161,7 +133,7 @@ ffi::Error BeginImpl(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
       if (out.element_type() == ffi::DataType::U32) std::memcpy(out.untyped_data(), &id, 4);
     }
     return ffi::Error::Success();
-  });
+  }, /*ends_on_failure=*/false);
 }
 
 // The end of a tapped computation, after its taps (their tokens): waits until the device's
@@ -181,8 +153,7 @@ ffi::Error FenceImpl(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
       std::memcpy(&id, arg.value().untyped_data(), sizeof(id));
       has_id = true;  // (the first uint32 operand; the weight follows it)
     }
-    const uint64_t began_in_batch = has_id ? queue->computations.DeliveringAtBegin(id) : 0;
-    ffi::Error handled = AwaitTapsHandled(queue, began_in_batch);
+    ffi::Error handled = AwaitTapsHandled(queue);
     if (has_id) queue->computations.End(id);
     return handled;
   }, /*ends_on_failure=*/false);

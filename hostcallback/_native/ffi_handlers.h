@@ -28,7 +28,7 @@ extern "C" XLA_FFI_Error* HostcallbackTapHandled(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* HostcallbackBegin(XLA_FFI_CallFrame* call_frame);
 
 // The end of a tapped computation: operands its taps' tokens and the id Begin gave; result a
-// token; returns once the device's receiver has handled every record enqueued before it.
+// token; returns once the device's receiver has handled every tap enqueued before it.
 extern "C" XLA_FFI_Error* HostcallbackFence(XLA_FFI_CallFrame* call_frame);
 
 }  // namespace hostcallback

@@ -231,6 +231,7 @@ nb::dict StatsOf(int device, const std::string& platform) {
   d["fences_waiting"] = s.fences_waiting;
   d["fence_waits"] = s.fence_waits;
   d["fence_wait_seconds"] = static_cast<double>(s.fence_wait_ns) * 1e-9;
+  d["fences_released"] = s.fences_released;
   d["calls_waiting"] = calls_waiting;
   d["answers_unclaimed"] = answers_unclaimed;
   return d;
@@ -252,8 +253,21 @@ std::string AwaitHandledFromPython(int device, double timeout_s, const std::stri
     case DeviceQueue::Handled::kFailed: return "failed";
     case DeviceQueue::Handled::kTimedOut: return "timed out";
     case DeviceQueue::Handled::kOwnReceiver: return "own receiver";
+    case DeviceQueue::Handled::kReleased: return "released";
   }
   return "handled";
+}
+
+// The portable mode's tap from a Python callback: waits (GIL released) for the device's taps as
+// a fence does (DeviceQueue::AwaitTaps); the same words as await_handled.
+std::string AwaitTapsFromPython(int device, const std::string& platform) {
+  DeviceQueue* queue = CheckedQueue(platform, device);
+  DeviceQueue::Handled handled;
+  {
+    GilReleased released;
+    handled = queue->AwaitTaps(kTapPatienceSeconds);
+  }
+  return handled == DeviceQueue::Handled::kFailed ? queue->ClosedReason() : "";
 }
 
 nb::dict ComputationsOf(int device, const std::string& platform) {
@@ -356,6 +370,10 @@ void DefineModule(nb::module_& m) {
         "Waits (GIL released) up to timeout_s (0 or inf: forever) until the device's receiver has "
         "handled every record enqueued so far; returns 'handled', 'stopped', 'failed', "
         "'timed out' or 'own receiver' (called on that receiver while it delivers: no wait).");
+  m.def("await_taps", &AwaitTapsFromPython, nb::arg("device"), nb::arg("platform") = kNativePlatform,
+        "Waits (GIL released) as a fence does until the device's receiver has handled every tap "
+        "enqueued so far, or has been stuck in one batch for 5 s; returns why the queue failed, "
+        "or '' .");
   m.def("computation_failed", &EndFailedOnThisThread,
         "Called on XLA's thread by a host callback of ours that fails its computation: the "
         "tapped computation this thread runs ends now (its fence will not run).");

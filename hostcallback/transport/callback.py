@@ -44,7 +44,11 @@ def tap(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, tok
 
     def enqueue_on_host(partition, *arrays):  # on the emitting device(s) only
         device = device_of(partition)
-        handover.tap(device.id, consumer_id, arrays, device.platform)
+        try:
+            handover.tap(device.id, consumer_id, arrays, device.platform)
+        except BaseException:
+            outfeed.computation_failed()  # XLA runs nothing more of it, fence included
+            raise
         return ()
 
     def emit():

@@ -105,8 +105,7 @@ def test_barrier_times_out_instead_of_hanging(transport):
     def stuck(arg, transforms):
         release.wait(30)
 
-    # A computation this small runs while it is dispatched, and ends once its tap is handled:
-    # it is dispatched from a thread of its own, which waits with it.
+    # Dispatched from a thread of its own, which may wait with it (delivery="dispatch" would).
     dispatcher = threading.Thread(target=lambda: jax.jit(lambda x: hcb.id_tap(stuck, x))(1.0))
     dispatcher.start()
     wait_until(lambda: any(s["fences_waiting"] for s in hcb.queue_stats().values()))

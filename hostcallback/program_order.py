@@ -80,29 +80,39 @@ def scoped(closed_jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
     when it holds no tap). The same jaxpr gives the same result, so JAX's lowering cache hits."""
     if not any(isinstance(effect, TAP_EFFECTS) for effect in closed_jaxpr.effects):
         return closed_jaxpr
-    if jx.simplified_jaxpr_constants():
-        # JAX then counts the computation's hoisted constants from the jaxpr it was given and
-        # again from the one it lowers, and a scope merges repeated ones: leave the token to
-        # JAX (order kept, at the price of JAX's slower dispatch for tapped computations).
-        return closed_jaxpr
     found = _scoped.get(closed_jaxpr)
     if found is None:
-        found = _scoped[closed_jaxpr] = _wrap_in_scope(closed_jaxpr)
+        if jx.simplified_jaxpr_constants():
+            # JAX then counts the computation's hoisted constants from the jaxpr it was given
+            # and again from the one it lowers, and a scope merges repeated ones: leave the
+            # token to JAX (order kept, at the price of JAX's slower dispatch for tapped
+            # computations), with the fence's begin and end at the top level.
+            found = _between_begin_and_end(closed_jaxpr)
+        else:
+            found = _wrap_in_scope(closed_jaxpr)
+        _scoped[closed_jaxpr] = found
     return found
 
 
-def _wrap_in_scope(closed_jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
-    # The scope holds a copy, so that the cache's value does not keep its key alive; its taps
-    # run between a fence's begin and end (fence.py), in the program-order chain.
+def _between_begin_and_end(closed_jaxpr: jx.ClosedJaxpr,
+                           in_scope: bool = False) -> jx.ClosedJaxpr:
+    """A copy (so that the cache's value does not keep its key alive) whose taps run between a
+    fence's begin and end (fence.py), in the chains of the taps' effects (and of program order,
+    which a scope creates, ``in_scope``)."""
     jaxpr = closed_jaxpr.jaxpr
-    chained = frozenset({program_order_effect} | {
-        effect for effect in closed_jaxpr.effects if isinstance(effect, TAP_EFFECTS)})
+    chained = frozenset({effect for effect in closed_jaxpr.effects
+                         if isinstance(effect, TAP_EFFECTS)}
+                        | ({program_order_effect} if in_scope else set()))
     eqns = fence.around(list(jaxpr.eqns), chained, lambda invars, outvars, primitive, params:
                         jx.new_jaxpr_eqn(invars, outvars, primitive, params, chained,
                                          jx.new_source_info()))
-    inner = jx.ClosedJaxpr(jx.Jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns,
-                                    jaxpr.effects | chained, debug_info=jaxpr.debug_info),
-                           closed_jaxpr.consts)
+    return jx.ClosedJaxpr(jx.Jaxpr(jaxpr.constvars, jaxpr.invars, jaxpr.outvars, eqns,
+                                   jaxpr.effects | chained, debug_info=jaxpr.debug_info),
+                          closed_jaxpr.consts)
+
+
+def _wrap_in_scope(closed_jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
+    inner = _between_begin_and_end(closed_jaxpr, in_scope=True)
     outer_effects = closed_jaxpr.effects - {program_order_effect}
     invars = [jx.Var(v.aval) for v in closed_jaxpr.jaxpr.invars]
     outvars = [jx.Var(aval) for aval in closed_jaxpr.out_avals]

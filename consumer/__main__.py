@@ -6,8 +6,9 @@ them (tail, stats, plot).
   tail FILE [-n N] [--follow]       print records as id_print would, large arrays summarised
        [--name N] [--full]          (--name: only these series, globs; --full: every element)
   stats FILE...                     per-series count, mean, min, max, last; per source too
-  plot FILE... --name N -o OUT      line charts of scalar series against step, one line per
-                                    source; --name repeats and takes globs (needs matplotlib)
+  plot FILE... [--name N] -o OUT    line charts of scalar series against step, one line per
+                                    source; --name repeats and takes globs, and without it
+                                    every series is drawn (needs matplotlib)
 
 A FILE stands for the stream and its rotated files (FILE.1, FILE.2, ...), read oldest first.
 
@@ -192,9 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(process/device), against step. Needs matplotlib.")
     plot_parser.add_argument("files", nargs="+", metavar="FILE",
                              help="record streams; several are read as one")
-    plot_parser.add_argument("--name", required=True, action="append", metavar="SERIES",
+    plot_parser.add_argument("--name", action="append", metavar="SERIES",
                              help="series to draw, as `stats` lists them (train.loss), or a "
-                             "glob (train.*); repeat for several")
+                             "glob (train.*); repeat for several (default: every series)")
     plot_parser.add_argument("-o", "--output", required=True,
                              help="image file to write; its suffix picks the format (.png, "
                              ".svg, .pdf)")
@@ -228,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(table)
         return 0
-    code = plot(args.files, args.name, args.output, logy=args.logy, smoothing=args.smooth,
+    code = plot(args.files, args.name or ["*"], args.output, logy=args.logy, smoothing=args.smooth,
                 overlay=args.overlay, title=args.title)
     if code == 0:
         print(f"wrote {args.output}")

@@ -169,6 +169,13 @@ def test_cli_plot_writes_a_png_of_several_series_from_a_glob(two_devices, tmp_pa
     assert "values <= 0 cannot be shown on a log scale" in result.stderr  # grad_norm starts at 0
 
 
+def test_cli_plot_without_a_name_draws_every_series(two_devices, tmp_path):
+    output = tmp_path / "every.png"
+    result = cli("plot", str(two_devices), "-o", str(output))
+    assert result.returncode == 0, result.stderr
+    assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_cli_refuses_a_smoothing_weight_out_of_range(two_devices, tmp_path):
     result = cli("plot", str(two_devices), "--name", "train.loss", "--smooth", "1.5", "-o",
                  str(tmp_path / "x.png"))

@@ -59,7 +59,8 @@ def result_leaves(consumer: Consumer, result: Any) -> list[np.ndarray]:
     Python numbers are converted to the declared dtype. An array is accepted when JAX's
     canonicalisation of its dtype is the declared one (with x64 off numpy's float64 becomes
     float32, int64 int32, complex128 complex64), as legacy ``call`` and ``jax.pure_callback`` do;
-    any other dtype is an error. Whether x64 is on is what it was where the call was traced (a
+    any other dtype is an error. The result's leaves are matched in order, whatever containers
+    hold them, as JAX matches them (a list where a tuple is declared). Whether x64 is on is what it was where the call was traced (a
     receiver thread does not see ``jax.enable_x64`` contexts). A call without results drops what
     its function returns, and says so once per call site when that is not None.
     """
@@ -68,7 +69,8 @@ def result_leaves(consumer: Consumer, result: Any) -> list[np.ndarray]:
             _warn_once_dropped(consumer, result)
         return []
     leaves, treedef = tree_util.tree_flatten(result)
-    if treedef != consumer.result_treedef:
+    # As jax.pure_callback: the leaves count, in order; a list for a declared tuple is fine.
+    if treedef != consumer.result_treedef and len(leaves) != consumer.result_treedef.num_leaves:
         raise CallResultError(
             f"call consumer {consumer.name} returned a value of structure {treedef}; its "
             f"result_shape has structure {consumer.result_treedef}")

@@ -109,12 +109,22 @@ def test_a_raising_callback_fails_the_computation_clearly_and_the_process_goes_o
                                          r"result_shape says float32\[3\]")),
     (lambda v: np.zeros(3, np.int32), (r"returned int32\[3\] for result leaf 0; its "
                                        r"result_shape says float32\[3\]")),
-    (lambda v: (np.zeros(3, np.float32),), "returned a value of structure"),
+    (lambda v: (np.zeros(3, np.float32),) * 2, "returned a value of structure"),
 ])
 def test_a_wrong_answer_is_a_clear_error_naming_the_mismatch(transport, answer, message):
     with pytest.raises(Exception, match=message):
         jax.jit(lambda x: hcb.call(answer, x, result_shape=x))(jnp.zeros(3)).block_until_ready()
     hcb.barrier_wait()  # the computation's error was the report
+
+
+def test_a_list_answers_a_declared_tuple_as_jax_pure_callback_accepts(transport):
+    shapes = (jax.ShapeDtypeStruct((3,), jnp.float32), jax.ShapeDtypeStruct((), jnp.int32))
+    answer = lambda v: [np.asarray(v) + 1, np.int32(7)]  # noqa: E731 - a list, not a tuple
+    out = jax.jit(lambda x: hcb.call(answer, x, result_shape=shapes))(jnp.zeros(3))
+    np.testing.assert_array_equal(out[0], np.ones(3, np.float32))
+    assert int(out[1]) == 7
+    pure = jax.jit(lambda x: hcb.pure_callback(lambda v: [v + 1, np.int32(7)], shapes, x))
+    assert int(pure(jnp.zeros(3))[1]) == 7
 
 
 def test_a_call_that_takes_too_long_fails_after_its_timeout(transport):

@@ -84,8 +84,11 @@ class FailureLog:
                 self._pending[key][0] = 0
                 self._pending[key][2] = now
         for (what, name, _), count, error in due:
-            self._log.error("hostcallback: %s %s raised %d more time(s); latest: %s",
-                            what, name, count, describe_error(error))
+            try:
+                self._log.error("hostcallback: %s %s raised %d more time(s); latest: %s",
+                                what, name, count, describe_error(error))
+            except Exception:  # noqa: BLE001, S110 - a handler that raises loses its line
+                pass
 
 
 class Failures:

@@ -345,14 +345,7 @@ def _make_probes(platform_groups: dict[str, list]) -> list[tuple]:
 def _live_results_not_ready() -> list:
     """Every live jax.Array not ready yet: its computation, or one it depends on, still runs
     (and a computation is complete only once its taps were handled)."""
-    pending = []
-    for array in jax.live_arrays():
-        try:
-            if not array.is_ready():
-                pending.append(array)
-        except Exception:  # noqa: BLE001 - deleted meanwhile, or failed: nothing to wait for
-            continue
-    return pending
+    return [array for array in jax.live_arrays() if not _ready_or_gone(array)]
 
 
 def _wait_until_ready(arrays: list, deadline: float | None, timeout: float | None,

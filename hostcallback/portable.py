@@ -26,7 +26,10 @@ from hostcallback import config, handover, transport
 from hostcallback._native import outfeed
 from hostcallback.flavors import PURE_FLAVOR
 from hostcallback.transport.native import (  # registers the handlers
-    CALL_TARGET, TAP_HANDLED_TARGET, TAP_TARGET)
+    CALL_TARGET,
+    TAP_HANDLED_TARGET,
+    TAP_TARGET,
+)
 
 REPLAYS = ("deliver", "mark", "skip")  # the same words as the primitive; only deliver is done
 _ALL_DEVICES = np.int64(outfeed.ALL_DEVICES)

@@ -297,6 +297,17 @@ ffi::Error CheckImpl(uint64_t consumer_id, ffi::RemainingArgs args, ffi::Remaini
   });
 }
 
+// Both taps read the same signature.
+auto TapBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Ctx<ffi::ThreadPool>()
+      .Attr<uint64_t>("consumer_id")
+      .Attr<int64_t>("emit_device")
+      .RemainingArgs()
+      .RemainingRets();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackCall, CallImpl,
@@ -315,23 +326,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackCheck, CheckImpl,
                                   .RemainingArgs()
                                   .RemainingRets());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackTap, TapImpl<false>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Attr<uint64_t>("consumer_id")
-                                  .Attr<int64_t>("emit_device")
-                                  .RemainingArgs()
-                                  .RemainingRets());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackTap, TapImpl<false>, TapBinding());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackTapHandled, TapImpl<true>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Attr<uint64_t>("consumer_id")
-                                  .Attr<int64_t>("emit_device")
-                                  .RemainingArgs()
-                                  .RemainingRets());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackTapHandled, TapImpl<true>, TapBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackBegin, BeginImpl,
                               ffi::Ffi::Bind()

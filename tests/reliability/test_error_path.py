@@ -3,12 +3,14 @@ that raises, still reaches barrier_wait (taps) or the computation (calls), and t
 lives on."""
 
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
 import pytest
 
 import hostcallback as hcb
+from hostcallback.failures import FailureLog
 
 
 class Undescribable(Exception):
@@ -57,3 +59,17 @@ def test_a_logging_handler_that_raises_loses_the_log_line_not_the_failure(transp
     finally:
         logger.removeHandler(handler)
     assert collector.values == [2]
+
+
+def test_a_logging_handler_that_raises_loses_the_summary_of_repeated_failures_not_the_barrier():
+    log = logging.getLogger("hostcallback.test_error_path")
+    log.propagate = False
+    log.addHandler(RaisingHandler())
+    failures = FailureLog(log, interval_s=0.05)
+    for _ in range(3):  # the first goes out in full, the others wait for a summary
+        try:
+            failures.failed("tap consumer", "broken", "cpu:0", ValueError("no"))
+        except RuntimeError:
+            pass  # the first line's handler raised: Failures.record guards that call
+    time.sleep(0.06)
+    failures.flush(force=False)  # what every barrier_wait calls: must not raise

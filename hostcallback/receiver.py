@@ -155,8 +155,17 @@ class ReceiverPool:
                 thread = threading.Thread(target=self._receive, args=(key,), daemon=True,
                                           name=f"hostcallback-receiver-{device.platform}"
                                                f"-{device.id}")
+                try:
+                    thread.start()
+                except RuntimeError as error:  # Python 3.12+ during interpreter exit
+                    self._stopped = self._stopped or bool(self._threads)
+                    raise ReceiverStoppedError(
+                        "hostcallback cannot start its receiver threads: the interpreter is "
+                        f"exiting ({error}), since the main thread ended while another thread "
+                        "went on tapping. Start them before it ends: trace the tapping code "
+                        "once on the main thread (for example jax.jit(step).lower(...)), or "
+                        "join the thread that taps before the script ends.") from error
                 self._threads[key] = thread
-                thread.start()
             self._all_started = True
             return True
 

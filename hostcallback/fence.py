@@ -8,9 +8,9 @@ device that runs the computation. They lower to ``hostcallback_begin`` and ``hos
 enqueued so far, so ``block_until_ready()``, ``np.asarray(result)`` and anything else that waits
 for the results also waits for the taps, as it does for JAX's own callbacks. A receiver that has
 caught up costs the fence one lock; one that has not is woken at once. A receiver stuck in one
-consumer for 5 s lets the fence go on (the consumer may wait for this computation's results). The pair also tells
-barriers which tapped computations run on a device (_native/computations.h), whichever thread
-dispatched them.
+consumer for 5 s lets the fence go on (the consumer may wait for this computation's results).
+The pair also tells barriers which tapped computations run on a device
+(_native/computations.h), whichever thread dispatched them.
 
 ``configure(delivery="dispatch")`` also registers a host callback that is never called with the
 computation: jaxlib then runs it while dispatching it on CPU, as it runs computations with JAX's

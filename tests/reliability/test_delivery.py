@@ -8,7 +8,6 @@ pytest plugin's wait after a test.
 
 import json
 import re
-import sys
 import threading
 import time
 
@@ -125,9 +124,9 @@ print("done", flush=True)
 @pytest.mark.timeout(120)
 def test_a_consumer_waiting_for_its_own_devices_tapped_computation_is_released_saying_so():
     result = run_python(NESTED, devices=1, timeout=100)
-    assert result.returncode == 0, result.stderr[-3000:]
     if "was traced inside a tap consumer" in result.stderr:
         return  # a JAX that traces it again there (0.12): refused at once, saying what to do
+    assert result.returncode == 0, result.stderr[-3000:]
     assert "done" in result.stdout and result.stdout.count("inner tap") == 2, result.stdout
     assert re.search(r"inner ready after [5-9] s", result.stdout), result.stdout
     assert "goes on without them" in result.stderr, result.stderr[-3000:]
@@ -158,6 +157,8 @@ print("done", hcb.queue_stats()[jax.devices()[0]]["fences_released"] >= 1, flush
 def test_a_consumer_waiting_for_a_later_steps_results_is_released_saying_so():
     result = run_python(LATER_STATE, devices=1, timeout=100)
     assert result.returncode == 0, result.stderr[-3000:]
+    if "checkpointed after 0 s" in result.stdout:
+        return  # a JAX that dispatched the steps one after another (0.12): nothing to wait for
     assert "done True" in result.stdout, result.stdout
     assert re.search(r"checkpointed after [5-9] s", result.stdout), result.stdout
     assert "goes on without them" in result.stderr, result.stderr[-3000:]
@@ -201,13 +202,16 @@ def test_a_script_that_just_ends_delivers_every_tap_of_its_loop(transport, where
     assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr
 
 
-@pytest.mark.skipif(sys.version_info < (3, 12), reason="Python 3.11 still starts threads then")
-def test_a_first_tap_traced_after_the_main_thread_ended_says_how_to_start_the_receivers():
+@pytest.mark.timeout(240)
+def test_a_loop_first_traced_on_a_thread_after_the_main_thread_ended_delivers_or_says_why():
+    # Python 3.12 refuses new threads once the main thread has ended (3.11 and 3.13 do not): the
+    # receivers, which start when a tap is first traced, then cannot start.
     start = "import threading\nthreading.Thread(target=loop).start()"
-    result = run_python(SCRIPT_THAT_JUST_ENDS.format(rounds=2, start=start), devices=1)
-    assert "cannot start its receiver threads: the interpreter is exiting" in result.stderr, \
-        result.stderr[-3000:]
-    assert "trace the tapping code once on the main thread" in result.stderr
+    result = run_python(SCRIPT_THAT_JUST_ENDS.format(rounds=20, start=start), devices=1)
+    if result.stdout.split().count("tapped") != 20:
+        assert "cannot start its receiver threads: the interpreter is exiting" in \
+            result.stderr, result.stderr[-3000:]
+        assert "trace the tapping code once on the main thread" in result.stderr
 
 
 GIVES_UP = LONG + """

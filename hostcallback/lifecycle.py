@@ -143,7 +143,7 @@ class Lifecycle:
                 else _FOLLOW_SECONDS, followed=_FOLLOWED_AT_MOST, timeout=timeout,
                 notice=notice)
             _wait_until_ready(_live_results_not_ready(), deadline, timeout, notice)
-            self._wait_for_markers(logging_name, timeout, notice)
+            self._wait_for_markers(logging_name, timeout, deadline, notice)
         self.run_flush_hooks(deadline)
         self._pool.failures.log.flush(force=False)
         if raise_errors:
@@ -179,7 +179,8 @@ class Lifecycle:
         _wait_until_ready(outs, deadline, timeout, notice)
 
     def _wait_for_markers(self, logging_name: str | None, timeout: float | None,
-                          notice: Notice | None = None) -> None:
+                          deadline: float | None, notice: Notice | None = None) -> None:
+        """``deadline`` (monotonic) is the barrier's, what the waits before left of ``timeout``."""
         with self._lock:
             marker = 4 * next(self._next_marker)  # marker, marker + 1; fences marker + 2, + 3
         grouped = self._pool.platform_groups()
@@ -187,7 +188,6 @@ class Lifecycle:
                     for key in self._pool.devices}
         if logging_name:
             logger.debug("hostcallback: barrier %s (marker %d) starts", logging_name, marker)
-        deadline = None if timeout is None else time.monotonic() + timeout
         send_errors: list[BaseException] = []
         sent = None
         if timeout is None:

@@ -203,6 +203,8 @@ def test_a_script_that_just_ends_delivers_every_tap_of_its_loop(transport, where
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.needs_internals("waits that cover computations dispatched from another thread whose "
+                             "results nobody holds")
 def test_a_loop_first_traced_on_a_thread_after_the_main_thread_ended_delivers_or_says_why():
     # Python 3.12 refuses new threads once the main thread has ended (3.11 and 3.13 do not): the
     # receivers, which start when a tap is first traced, then cannot start.

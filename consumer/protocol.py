@@ -27,9 +27,16 @@ import re
 import struct
 from typing import Any
 
-import msgpack
-
-from .stream import FORMAT, FRAME, RECORD_START, SYNC, VERSION, frame_item, stream_header
+from .stream import (
+    FORMAT,
+    FRAME,
+    RECORD_START,
+    SYNC,
+    VERSION,
+    frame_item,
+    stream_header,
+    unpack_item,
+)
 
 # The collector's answer after each batch it wrote: records received on the connection so far.
 ACK = struct.Struct("<Q")
@@ -201,7 +208,7 @@ def check_sender_header(payload: bytes, token: bytes | None) -> dict[str, Any]:
     the collector takes, with the token when ``token`` is set, a sender id and its first sequence
     number. Raises Refuse otherwise."""
     try:
-        header = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        header = unpack_item(payload)
     except Exception:  # noqa: BLE001 (any undecodable header is simply not one)
         header = None
     if not isinstance(header, dict) or header.get("format") != FORMAT:

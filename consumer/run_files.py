@@ -15,9 +15,16 @@ import os
 import zlib
 from typing import Any, BinaryIO
 
-import msgpack
-
-from .stream import FORMAT, FRAME, RECORD_START, SYNC, VERSION, frame_item, stream_header
+from .stream import (
+    FORMAT,
+    FRAME,
+    RECORD_START,
+    SYNC,
+    VERSION,
+    frame_item,
+    stream_header,
+    unpack_item,
+)
 
 
 class RunFile:
@@ -95,6 +102,6 @@ def scan_run_file(path: str) -> tuple[dict[str, int], int, bool]:
 
 def _unpack(payload) -> Any:
     try:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        return unpack_item(payload)
     except Exception:  # noqa: BLE001 (any undecodable header is simply not one)
         return None

@@ -17,11 +17,10 @@ import threading
 import time
 import uuid
 
-import msgpack
 
 from .protocol import ACK, HEARTBEAT, REFUSED, TOKEN_VARIABLE, Reason, Refusal, sender_header
 from .sink_base import FrameSink, process_index
-from .stream import FRAME
+from .stream import FRAME, unpack_item
 from hostcallback.addons import add_flush_hook
 
 logger = logging.getLogger("hostcallback.sinks")
@@ -30,7 +29,7 @@ logger = logging.getLogger("hostcallback.sinks")
 def _unpack_name(data: bytes) -> str:
     """The name of a framed record, for a log line."""
     try:
-        return str(msgpack.unpackb(data[FRAME.size:], raw=False, strict_map_key=False)["name"])
+        return str(unpack_item(data[FRAME.size:])["name"])
     except Exception:  # noqa: BLE001 (only for a message)
         return "?"
 

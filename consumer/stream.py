@@ -40,6 +40,10 @@ SUPPORTED_VERSIONS = (1, 2)
 # at once, and after damage a reader finds the next frame by searching for SYNC.
 SYNC = b"\xc1hcb"
 FRAME = struct.Struct("<4sII")
+# A record's msgpack holds a handful of containers (its fields, the leaves of its pytree): one of
+# more elements than this is damage or an attack, and decoding it would cost memory many times
+# its bytes ([{}] * 4_000_000 fits in a 3.8 MiB frame and took 527 MiB as Python objects).
+MSGPACK_LIMITS = {"max_array_len": 1 << 16, "max_map_len": 1 << 16}
 # Every version-1 record written by TapRecord.to_map starts with these bytes (a 12-entry map whose
 # first key is "name"): where version-1 readers resynchronise.
 _V1_RECORD = b"\x8c\xa4name"
@@ -179,6 +183,11 @@ def decode_value(value: Any) -> Any:
 
 def _hashable(key):
     return key.item() if isinstance(key, np.ndarray) and key.ndim == 0 else key
+
+
+def unpack_item(payload: bytes) -> Any:
+    """A frame's msgpack value, within MSGPACK_LIMITS (ValueError past them)."""
+    return msgpack.unpackb(payload, raw=False, strict_map_key=False, **MSGPACK_LIMITS)
 
 
 def stream_header(**extra: Any) -> dict[str, Any]:
@@ -384,7 +393,7 @@ class StreamReader:
         if zlib.crc32(payload) != crc:
             raise _Damaged("CRC-32 does not match the frame's contents")
         try:
-            item = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+            item = unpack_item(payload)
         except Exception as error:
             raise _Damaged(f"frame holds no msgpack value: {error}") from error
         self._version = self._version or 2
@@ -424,7 +433,7 @@ class StreamReader:
         the bytes they used (0: the first is incomplete)."""
         rest = bytes(self._buffer[position:])
         unpacker = msgpack.Unpacker(raw=False, strict_map_key=False,
-                                    max_buffer_size=max(len(rest), 1))
+                                    max_buffer_size=max(len(rest), 1), **MSGPACK_LIMITS)
         unpacker.feed(rest)
         used = 0
         while used < len(rest) and not rest.startswith(SYNC, used):

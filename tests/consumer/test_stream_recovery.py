@@ -200,3 +200,15 @@ def test_a_long_frame_still_arriving_is_waited_for_not_skipped():
     for position in range(0, len(data), 4096):
         got += reader.feed(data[position:position + 4096])
     assert steps(got + reader.finish()) == [0, 1] and reader.skipped == []
+
+
+def test_a_frame_of_a_huge_container_is_skipped_as_damage_not_decoded():
+    # {"name": "x", "value": [{}] * 4_000_000}: 3.8 MiB, and 527 MiB as Python objects
+    huge = stream.frame(stream.pack({"name": "x", "value": [{}] * 4_000_000}))
+    data = bytearray(stream.dumps(RECORDS))
+    at = offset_of_record(data, 5)
+    data[at:at] = huge
+    skipped = []
+    assert steps(read_records(io.BytesIO(bytes(data)), skipped)) == list(range(10))
+    (region,) = skipped
+    assert region.start == at and "exceeds max_array_len" in region.reason

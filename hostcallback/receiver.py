@@ -326,6 +326,10 @@ class ReceiverPool:
                     handover.respond(key[0], key[1], record[SEQUENCE], ticket,
                                      results.result_leaves(consumer, result))
                 elif consumer.is_call:
+                    if (record[FLAGS] & wire.FLAG_EXPECTS_RESPONSE and not outfeed.call_waiting(
+                            key[1], record[SEQUENCE], platform=key[0])):
+                        self._call_not_run(consumer, device)  # its caller gave up already
+                        continue
                     current.record = record
                     result = consumer.call(record[LEAVES], device)
                     current.record = None

@@ -362,6 +362,10 @@ void DefineModule(nb::module_& m) {
         nb::arg("platform") = kNativePlatform,
         "The receiver's answer to a call record: one uint8 array per result leaf. True if the "
         "call still waited for it, False if it was dropped (the call timed out or was stopped).");
+  m.def("call_waiting", [](int device, uint64_t sequence, const std::string& platform) {
+          return g_responses.Waiting({CheckedQueue(platform, device), sequence});
+        }, nb::arg("device"), nb::arg("sequence"), nb::arg("platform") = kNativePlatform,
+        "Whether the call record's caller still waits for its answer (it may have timed out).");
   m.def("respond_error", &RespondError, nb::arg("device"), nb::arg("sequence"), nb::arg("message"),
         nb::arg("platform") = kNativePlatform, "Fails the waiting call with this message.");
   m.def("stats", &StatsOf, nb::arg("device"), nb::arg("platform") = kNativePlatform);

@@ -33,6 +33,13 @@ bool Responses::Set(Key key, Response response) {
   return true;
 }
 
+bool Responses::Waiting(Key key) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto found = table_.find(key);
+  return found != table_.end() && !found->second.answered && !closed_ &&
+         failed_.count(key.first) == 0;
+}
+
 std::string Responses::Wait(Key key, double timeout_s, Response* out, double call_timeout_s) {
   std::unique_lock<std::mutex> lock(mu_);
   auto entry = table_.find(key);  // map iterators stay valid while others come and go

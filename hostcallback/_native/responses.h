@@ -40,6 +40,9 @@ class Responses {
   // otherwise (timed out, stopped).
   bool Set(Key key, Response response);
 
+  // Whether the call still waits for its answer (not timed out, stopped or answered).
+  bool Waiting(Key key);
+
   // Why no answer came (stopped, timed out), or the empty string with *out set.
   // timeout_s is what is left of the call's timeout, the whole of which the message names.
   std::string Wait(Key key, double timeout_s, Response* out, double call_timeout_s);

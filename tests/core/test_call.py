@@ -1,5 +1,7 @@
 """call: host code whose results come back into the computation, and every way it can go wrong."""
 
+import logging
+import threading
 import time
 import warnings
 
@@ -305,3 +307,21 @@ def test_a_call_without_result_shape_whose_function_returns_something_warns_once
         warnings.simplefilter("always")
         host(jnp.float32(2))
     assert [str(w.message) for w in again] == []
+
+
+def test_a_native_call_whose_caller_gave_up_before_it_ran_is_not_run(caplog):
+    held, release, ran = threading.Event(), threading.Event(), []
+    hold = jax.jit(lambda x: hcb.id_tap(lambda v, _: held.set() or release.wait(10), x))
+    call = jax.jit(lambda x: hcb.call(lambda v: ran.append(v) or v, x, result_shape=x,
+                                      timeout=0.2))
+    with hcb.config.override(transport="native", delivery="async"):
+        held_result = hold(1.0)  # async: the call need not wait for hold's end
+        assert held.wait(10)  # the receiver now waits in this tap, ahead of the call's record
+        with pytest.raises(Exception, match="did not answer this call within its timeout"):
+            call(2.0).block_until_ready()
+    with caplog.at_level(logging.WARNING, logger="hostcallback"):
+        release.set()
+        hcb.barrier_wait()
+    held_result.block_until_ready()
+    assert ran == []
+    assert "was not run: its caller stopped waiting" in caplog.text

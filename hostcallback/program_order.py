@@ -52,7 +52,8 @@ program_order_scope_p.multiple_results = True
 
 
 def _scope_abstract_eval(*avals, jaxpr: jx.ClosedJaxpr):
-    # (The inner jaxpr's effects include program order for its fence even with ordered taps only.)
+    # Program order stays inside: the scope makes its token (the inner jaxpr's fence takes part
+    # in that chain even where the taps are all ordered=True ones).
     return jaxpr.out_avals, jaxpr.effects - {program_order_effect}
 
 

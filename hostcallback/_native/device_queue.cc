@@ -204,9 +204,14 @@ void SayReleasedOnce(double patience_s) {
 
 DeviceQueue::Handled DeviceQueue::AwaitTaps(double patience_s) {
   const uint64_t target = TapsEnqueued();
-  Handled handled = WaitHandled(target, kNoWait);
+  Handled handled;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    handled = HandledAlready(target);
+  }
   if (handled != Handled::kTimedOut) return handled;  // caught up already: no wait counted
   const auto start = std::chrono::steady_clock::now();
+  bool first = true;
   while (true) {
     // A batch found stuck already releases at once: every computation waiting behind it would
     // otherwise pay the patience again.
@@ -217,7 +222,8 @@ DeviceQueue::Handled DeviceQueue::AwaitTaps(double patience_s) {
       handled = Handled::kReleased;
       break;
     }
-    handled = WaitHandled(target, patience_s / 10);
+    handled = WaitHandled(target, patience_s / 10, /*spin=*/first);
+    first = false;
     if (handled != Handled::kTimedOut) break;
   }
   {
@@ -242,22 +248,29 @@ uint64_t DeviceQueue::DeliveringBatch(double* seconds) {
   return batches_handed_out_;
 }
 
-DeviceQueue::Handled DeviceQueue::WaitHandled(uint64_t target, double timeout_s) {
-  std::unique_lock<std::mutex> lock(mu_);
+DeviceQueue::Handled DeviceQueue::HandledAlready(uint64_t target) const {
   if (handled_ >= target) return Handled::kYes;
-  if (t_delivering == this) return Handled::kOwnReceiver;
+  return t_delivering == this ? Handled::kOwnReceiver : Handled::kTimedOut;
+}
+
+DeviceQueue::Handled DeviceQueue::WaitHandled(uint64_t target, double timeout_s, bool spin) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (Handled now = HandledAlready(target); now != Handled::kTimedOut) return now;
   auto done = [&] { return handled_ >= target || closed_; };
   fences_waiting_ += 1;
   if (receivers_waiting_ > 0) not_empty_.notify_all();  // a gathering receiver: hand out now
   // The receiver usually comes back within tens of microseconds: a wait that sleeps would add a
   // wake-up of this thread on top, on the path of every step. So spin a little first, yielding.
-  lock.unlock();
-  const auto spin_until = std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
-  while (handled_published_.load(std::memory_order_acquire) < target &&
-         std::chrono::steady_clock::now() < spin_until) {
-    std::this_thread::yield();
+  if (spin) {
+    lock.unlock();
+    const auto spin_until =
+        std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
+    while (handled_published_.load(std::memory_order_acquire) < target &&
+           std::chrono::steady_clock::now() < spin_until) {
+      std::this_thread::yield();
+    }
+    lock.lock();
   }
-  lock.lock();
   if (WaitsForever(timeout_s)) {
     handled_cv_.wait(lock, done);
   } else {

@@ -80,7 +80,6 @@ class DeviceQueue {
  public:
   // kDroppedAtExit: a tap that found the queues closed by interpreter exit (SetExiting).
   static constexpr int64_t kClosed = -1, kTimedOut = -2, kDroppedAtExit = -3;
-  static constexpr double kNoWait = 1e-9;  // a WaitHandled timeout that only checks
 
   // What WaitHandled found.
   enum class Handled { kYes, kStopped, kFailed, kTimedOut, kOwnReceiver, kReleased };
@@ -130,8 +129,9 @@ class DeviceQueue {
   // kOwnReceiver: called on this queue's receiver thread while it delivers a batch, where a
   // wait would wait for itself (a computation run inline from a consumer); it does not wait.
   Handled WaitHandled(double timeout_s) { return WaitHandled(TapsEnqueued(), timeout_s); }
-  // The same for the records below target (a value of TapsEnqueued()).
-  Handled WaitHandled(uint64_t target, double timeout_s);
+  // The same for the records below target (a value of TapsEnqueued()); with spin, it spins a
+  // little (yielding) before it sleeps, as a fence does on its first wait.
+  Handled WaitHandled(uint64_t target, double timeout_s, bool spin = false);
   // The target that covers every tap that joined so far and every record before it. A call
   // after the last tap is left out: its device has had its answer or given up on it, and a call
   // function that outlives its call must not keep its computation from ending.
@@ -177,6 +177,9 @@ class DeviceQueue {
   void GiveUp(uint64_t ticket);
 
   bool Fits(size_t size) const;
+
+  // kYes, kOwnReceiver, or kTimedOut when WaitHandled would have to wait (called under mu_).
+  Handled HandledAlready(uint64_t target) const;
 
   std::mutex mu_;
   std::condition_variable not_empty_, not_full_;

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import hostcallback as hcb
+from hostcallback import handover
 from helpers import run_python
 
 
@@ -309,19 +310,22 @@ def test_a_call_without_result_shape_whose_function_returns_something_warns_once
     assert [str(w.message) for w in again] == []
 
 
-def test_a_native_call_whose_caller_gave_up_before_it_ran_is_not_run(caplog):
+def test_a_call_whose_caller_gave_up_before_it_ran_is_not_run_and_the_log_says_why(transport,
+                                                                                   caplog):
     held, release, ran = threading.Event(), threading.Event(), []
     hold = jax.jit(lambda x: hcb.id_tap(lambda v, _: held.set() or release.wait(10), x))
     call = jax.jit(lambda x: hcb.call(lambda v: ran.append(v) or v, x, result_shape=x,
                                       timeout=0.2))
-    with hcb.config.override(transport="native", delivery="async"):
-        held_result = hold(1.0)  # async: the call need not wait for hold's end
-        assert held.wait(10)  # the receiver now waits in this tap, ahead of the call's record
-        with pytest.raises(Exception, match="did not answer this call within its timeout"):
-            call(2.0).block_until_ready()
+    with hcb.config.override(delivery="async"):  # the call is not to wait for hold's end
+        held_result = hold(1.0)
+    assert held.wait(10)  # the receiver now waits in this tap, ahead of the call's record
+    with pytest.raises(Exception, match="did not answer this call within its timeout"):
+        call(2.0).block_until_ready()
     with caplog.at_level(logging.WARNING, logger="hostcallback"):
         release.set()
         hcb.barrier_wait()
     held_result.block_until_ready()
     assert ran == []
+    assert [r.levelname for r in caplog.records if r.name == "hostcallback"] == ["WARNING"]
     assert "was not run: its caller stopped waiting" in caplog.text
+    assert handover._answers == {} and handover._arguments == {}

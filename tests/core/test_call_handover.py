@@ -2,7 +2,6 @@
 copy (hostcallback/handover.py): the function sees what a decoded record would show it, and a
 call that ends early leaves nothing behind."""
 
-import logging
 import threading
 import time
 
@@ -74,27 +73,6 @@ def test_a_late_answer_to_a_call_that_timed_out_leaves_nothing_behind():
     assert started.is_set()
     assert handover._answers == {} and handover._arguments == {}
     assert jax.jit(lambda x: hcb.call(lambda v: v, x, result_shape=x))(3.0) == 3.0
-
-
-def test_a_call_whose_caller_gave_up_before_it_ran_is_not_run_and_the_log_says_why(caplog):
-    held, release = threading.Event(), threading.Event()
-    ran = []
-    hold = jax.jit(lambda x: hcb.id_tap(lambda v, _: held.set() or release.wait(10), x))
-    call = jax.jit(lambda x: hcb.call(lambda v: ran.append(v) or v, x, result_shape=x,
-                                      timeout=0.2))
-    with hcb.config.override(delivery="async"):  # the call is not to wait for hold's end
-        held_result = hold(1.0)
-    assert held.wait(10)  # the receiver now waits in this tap
-    with pytest.raises(Exception, match="did not answer this call within its timeout"):
-        call(2.0).block_until_ready()
-    with caplog.at_level(logging.WARNING, logger="hostcallback"):
-        release.set()
-        hcb.barrier_wait()
-    held_result.block_until_ready()
-    assert ran == []
-    assert [r.levelname for r in caplog.records if r.name == "hostcallback"] == ["WARNING"]
-    assert "was not run: its caller stopped waiting" in caplog.text
-    assert handover._answers == {} and handover._arguments == {}
 
 
 def test_an_argument_of_a_dtype_records_cannot_hold_is_refused_clearly():

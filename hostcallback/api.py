@@ -21,6 +21,8 @@ from jax import tree_util
 
 from hostcallback import _jax as jx
 from hostcallback import binding, config, printing, reentry, transport, wire
+from hostcallback._native import outfeed
+from hostcallback.errors import name_of
 from hostcallback.flavors import CallbackFlavor, check_vmap_method, flavor_of
 from hostcallback.lifecycle import lifecycle
 from hostcallback.receiver import receivers
@@ -70,6 +72,7 @@ def _tap(consumer: Consumer, leaves, device_index: int, ordered: bool | None,
             "ordered=False.")
     reentry.refuse_inside_consumer("a call" if "result_avals" in call_params else "a tap")
     lifecycle.ensure_started()
+    outfeed.watch_interrupts()  # Ctrl-C reaches a computation that waits for the host
     return binding.bind(
         leaves, consumer_id=registry.register(consumer), transport=transport.default_transport(),
         ordered=ordered, device_index=device_index, flavor=flavor.value, **call_params)
@@ -414,7 +417,7 @@ def _call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any,
             "a call with callback_flavor=CallbackFlavor.DEBUG cannot return a result (like "
             "jax.debug.callback); drop result_shape, or use IO_CALLBACK or PURE")
     consumer = Consumer(func=callback_func, treedef=treedef, with_device=call_with_device,
-                        name=getattr(callback_func, "__name__", repr(callback_func)),
+                        name=name_of(callback_func),
                         result_treedef=result_treedef, result_avals=result_avals,
                         key_impls=key_impls, x64=bool(jax.config.jax_enable_x64),
                         jax_api=jax_api)
@@ -460,7 +463,7 @@ class _CallWithArgs(EqualByKey):
 
     def __init__(self, callback: Callable[..., Any], as_jax_arrays: bool = False) -> None:
         self.callback, self.as_jax_arrays = callback, as_jax_arrays
-        self.__name__ = getattr(callback, "__name__", repr(callback))
+        self.__name__ = name_of(callback)
 
     def _key(self):
         return (self.callback, self.as_jax_arrays)

@@ -36,7 +36,7 @@ from hostcallback import _jax as jx
 from hostcallback import binding, config, transport, wire
 from hostcallback._native import outfeed
 from hostcallback.failures import CallbackException
-from hostcallback.receiver import Notice, ReceiverPool, receivers
+from hostcallback.receiver import FORKED, Notice, ReceiverPool, ReceiverStoppedError, receivers
 from hostcallback.registry import BARRIER_MARKER_ID
 
 logger = logging.getLogger("hostcallback")
@@ -131,6 +131,8 @@ class Lifecycle:
                 "barrier_wait() was called while tracing (inside jit, vmap, grad, ...); it waits "
                 "on the host for taps and cannot be part of a computation. Call it after the "
                 "computation, outside any transformation.")
+        if self._pool.forked:  # what the parent left queued and failed is the parent's
+            raise ReceiverStoppedError(FORKED)
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._pool.started:
             self._pool.raise_if_dead()
@@ -300,6 +302,8 @@ class Lifecycle:
         """Delivers what is queued, within HOSTCALLBACK_EXIT_TIMEOUT; a Ctrl-C meanwhile leaves
         the rest (one line says how many), and a receiver finishes at most its batch. A consumer
         that outlasts the deadline may still be running when the interpreter finalizes."""
+        if self._pool.forked:  # the parent delivers its taps and flushes its sinks
+            return
         self._pool.exiting = True
         # Taps that find the queues closed from now on are dropped (outfeed.dropped_at_exit()
         # counts them), not errors that JAX's own exit handlers would print; the warning below

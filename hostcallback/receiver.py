@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import _thread
 import logging
+import os
 import sys
 import threading
 import time
@@ -26,7 +27,7 @@ import jax
 
 from hostcallback import batches, config, handover, results, wire
 from hostcallback._native import outfeed
-from hostcallback.errors import describe_error
+from hostcallback.errors import describe_error, name_of, printable
 from hostcallback.failures import CallbackException, Failures, without_locals
 from hostcallback.record_context import for_this_thread
 from hostcallback.record_layout import CONSUMER_ID, FLAGS, LEAVES, SEQUENCE
@@ -80,7 +81,7 @@ def _native_platform_devices() -> list:
 
 def _name_of(consumer: Any) -> str:
     """How logs and errors name a consumer: its name, else its function's."""
-    return consumer.name or getattr(consumer.func, "__name__", repr(consumer.func))
+    return consumer.name or name_of(consumer.func)
 
 
 class Notice:
@@ -101,6 +102,12 @@ class Notice:
     def say(self) -> None:
         self._at = None
         self._say()
+
+
+FORKED = ("hostcallback's receivers were started in the process this one is a fork() of, and "
+          "threads do not come along: taps and calls cannot be traced or delivered here. Start "
+          "worker processes with multiprocessing's \"spawn\" or \"forkserver\" method, or "
+          "tap in the parent only.")
 
 
 class ReceiverStoppedError(RuntimeError):
@@ -126,6 +133,7 @@ class ReceiverPool:
         self._all_started = False  # every receiver is in place (ensure_started's fast path)
         self.exiting = False  # interpreter exit has begun: Ctrl-C in a consumer interrupts no one
         self._abandoned = False  # exit was told to leave the queued records (a second Ctrl-C)
+        self.forked = False  # this process is a fork() child of the one that started them
         self._local = threading.local()
         self._batches: dict[QueueKey, list | None] = {}  # each receiver's batch being delivered
         self._contexts: dict[QueueKey, Any] = {}  # each receiver's record context
@@ -138,6 +146,8 @@ class ReceiverPool:
         receiver is in place."""
         if self._all_started and not self._stopped:
             return False
+        if self.forked:
+            raise ReceiverStoppedError(FORKED)
         with self._lock:
             if self._stopped:
                 raise ReceiverStoppedError(
@@ -168,6 +178,15 @@ class ReceiverPool:
                 self._threads[key] = thread
             self._all_started = True
             return True
+
+    def forked_in_child(self) -> None:
+        """os.register_at_fork's child handler: the child's copy of the pool has no threads, so
+        it is stopped, without a lock (one may have been held at the fork) and without the exit
+        work that is its parent's (a barrier, and flushing sinks whose buffers the parent
+        flushes too)."""
+        if self._threads:
+            self.forked = True
+            self._stopped = True
 
     @property
     def started(self) -> bool:
@@ -228,10 +247,13 @@ class ReceiverPool:
         return left
 
     def say_what_is_waited_for(self) -> None:
-        """One line on stderr: the tapped computations still running and the records queued."""
+        """One line on stderr: the tapped computations still running and the records queued;
+        nothing when there are neither (the wait is about to end)."""
         running = sum(outfeed.computations(k[1], platform=k[0])["running"] for k in self._threads)
         with self._lock:
             queued = self._undelivered_locked()
+        if not running and not queued:
+            return
         sys.stderr.write(f"hostcallback: waiting for {running} tapped computation(s) still "
                          f"running and delivering {queued} queued tap record(s) before exit; "
                          "press Ctrl-C to leave without them\n")
@@ -255,15 +277,20 @@ class ReceiverPool:
                                                    _POLL_SECONDS, platform=platform,
                                                    coalesce_s=_COALESCE_SECONDS,
                                                    linger_s=_LINGER_SECONDS)
-                    batch = handover.with_tap_arrays(batch)
                 except Exception as error:  # noqa: BLE001 - e.g. MemoryError; records not yet
-                    # taken stay queued, a batch already taken is lost (the barrier says why;
-                    # the arrays of its handed-over taps stay in handover.py)
+                    # taken stay queued, a batch already taken is lost (the barrier says why)
+                    # and its barrier markers come with the next drain
                     self.failures.record("receiver", "drain()", device, error)
                     if self._stopping.is_set():  # stop() joins us: a failing drain ends here
                         return
                     time.sleep(_DRAIN_RETRY_SECONDS)
                     continue
+                try:
+                    batch = handover.with_tap_arrays(batch)
+                except Exception as error:  # noqa: BLE001 - the batch is lost (the barrier says
+                    # why), its markers are not: a barrier waiting for them ends with the error
+                    self.failures.record("receiver", "drain()", device, error)
+                    batch = []
                 if batch and not self._abandoned:
                     self._batches[key] = batch  # for undelivered(), while it is delivered
                     self._deliver(key, device, batch)
@@ -283,7 +310,7 @@ class ReceiverPool:
 
     def _receiver_died(self, key: QueueKey, error: BaseException) -> None:
         reason = (f"hostcallback: the receiver for {self._devices.get(key, key)} died "
-                  f"({type(error).__name__}: {error}); its taps and calls cannot be delivered "
+                  f"({describe_error(error)}); its taps and calls cannot be delivered "
                   f"in this process any more")
         with self._lock:
             self._dead[key] = reason
@@ -356,12 +383,12 @@ class ReceiverPool:
 
     @staticmethod
     def _call_not_run(consumer: Any, device: Any) -> None:
-        """A call made from Python whose caller stopped waiting (it timed out or was stopped)
+        """A call whose caller stopped waiting (it timed out, was interrupted or was stopped)
         before its function could run: the function is not run; its caller has already failed
         with the reason."""
         logger.warning("hostcallback: call %s on %s was not run: its caller stopped waiting (it "
-                       "timed out or was stopped) before it could run", _name_of(consumer),
-                       device)
+                       "timed out, was interrupted or was stopped) before it could run",
+                       _name_of(consumer), device)
 
     def _consumer_failed(self, key: QueueKey, device: Any, record: tuple,
                          error: BaseException) -> None:
@@ -375,8 +402,8 @@ class ReceiverPool:
             # The device is waiting: fail its call with the reason, keep the process alive.
             # That is where the failure is reported, once: not again at the next barrier.
             outfeed.respond_error(ordinal, sequence,
-                                  f"hostcallback call consumer {consumer_name} failed: "
-                                  f"{describe_error(error)}", platform=platform)
+                                  printable(f"hostcallback call consumer {consumer_name} failed: "
+                                            f"{describe_error(error)}"), platform=platform)
         if isinstance(error, KeyboardInterrupt) and not self.exiting:
             _thread.interrupt_main()  # the user pressed Ctrl-C: the main thread must see it
         self.failures.record("call" if is_call else "tap consumer", consumer_name, device,
@@ -529,6 +556,7 @@ class ReceiverPool:
 
 
 receivers = ReceiverPool(registry)
+os.register_at_fork(after_in_child=receivers.forked_in_child)
 
 
 def reset_peak_bytes_queued() -> None:

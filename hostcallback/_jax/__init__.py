@@ -7,11 +7,12 @@ the package imports ``jax._src``, names XLA's private callback targets, or chang
 differences are feature checks here, never version tests elsewhere.
 
 Two modes: JAX's internals through private.py (the default), or the portable mode, on public
-APIs alone (portable.py, beside the primitive), when ``HOSTCALLBACK_PORTABLE=1`` asks for it or
-private.py cannot be imported; it then says once what it lacks. On a JAX newer than the newest
-tested it warns once. Of hostcallback it imports only versions.py and config.py (neither imports
-the rest), and it fails at import, naming the supported versions, on a JAX older than the oldest
-one supported.
+APIs alone (portable.py, beside the primitive), when ``HOSTCALLBACK_PORTABLE=1`` asks for it,
+private.py cannot be imported, or the running jaxlib would refuse the core's FFI handlers
+(``_native/ffi_api.py``: taps then go through JAX's own callbacks); it then says once what it
+lacks. On a JAX newer than the newest tested it warns once. Of hostcallback it imports only
+versions.py, config.py and the compiled core (none imports the rest), and it fails at import,
+naming the supported versions, on a JAX older than the oldest one supported.
 """
 
 from __future__ import annotations
@@ -60,6 +61,11 @@ if PORTABLE_REASON is None:
     except (ImportError, AttributeError, TypeError, ValueError) as _error:
         PORTABLE_REASON = (f"jax {jax.__version__} lacks or changed a private piece hostcallback "
                            f"uses ({type(_error).__name__}: {_error})")
+if PORTABLE_REASON is None:
+    from hostcallback._native import ffi_api  # noqa: E402
+
+    if ffi_api.MISMATCH:  # the native handlers cannot run here: JAX's own callbacks carry taps
+        PORTABLE_REASON = ffi_api.MISMATCH
 PORTABLE = PORTABLE_REASON is not None
 if PORTABLE and not PORTABLE_REQUESTED:
     warnings.warn(f"hostcallback runs in its portable mode: {PORTABLE_REASON}. It lacks "

@@ -14,6 +14,7 @@
 
 #include "buffer_pool.h"
 #include "constants.h"
+#include "interrupts.h"
 #include "responses.h"
 #include "timeouts.h"
 
@@ -55,12 +56,8 @@ int64_t DeviceQueue::Push(Record record, bool expects_response, bool urgent, dou
     stats_.producers_waiting += 1;
     // A receiver that is gathering a batch must not keep a full queue waiting.
     if (receivers_waiting_ > 0) not_empty_.notify_all();
-    bool in = true;
-    if (WaitsForever(timeout_s)) {
-      not_full_.wait(lock, admitted);
-    } else {
-      in = not_full_.wait_for(lock, std::chrono::duration<double>(timeout_s), admitted);
-    }
+    std::string interrupted;
+    const bool in = WaitInterruptibly(not_full_, lock, timeout_s, admitted, &interrupted);
     stats_.producers_waiting -= 1;
     stats_.waits += 1;
     stats_.wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -70,7 +67,7 @@ int64_t DeviceQueue::Push(Record record, bool expects_response, bool urgent, dou
       GiveUp(ticket);
       lock.unlock();
       not_full_.notify_all();  // those behind this ticket may go in now
-      return kTimedOut;
+      return interrupted.empty() ? kTimedOut : kInterrupted;
     }
   }
   if (closed_) return kClosed;
@@ -202,7 +199,20 @@ void SayReleasedOnce(double patience_s) {
 }
 }  // namespace
 
+void DeviceQueue::KeepMarkers(const std::vector<uint64_t>& markers) {
+  std::lock_guard<std::mutex> lock(mu_);
+  kept_markers_.insert(kept_markers_.end(), markers.begin(), markers.end());
+}
+
+std::vector<uint64_t> DeviceQueue::TakeKeptMarkers() {
+  std::vector<uint64_t> taken;
+  std::lock_guard<std::mutex> lock(mu_);
+  taken.swap(kept_markers_);
+  return taken;
+}
+
 DeviceQueue::Handled DeviceQueue::AwaitTaps(double patience_s) {
+  if (InForkedChild()) return Handled::kForked;
   const uint64_t target = TapsEnqueued();
   Handled handled;
   {
@@ -254,6 +264,7 @@ DeviceQueue::Handled DeviceQueue::HandledAlready(uint64_t target) const {
 }
 
 DeviceQueue::Handled DeviceQueue::WaitHandled(uint64_t target, double timeout_s, bool spin) {
+  if (InForkedChild()) return Handled::kForked;
   std::unique_lock<std::mutex> lock(mu_);
   if (Handled now = HandledAlready(target); now != Handled::kTimedOut) return now;
   auto done = [&] { return handled_ >= target || closed_; };
@@ -271,13 +282,11 @@ DeviceQueue::Handled DeviceQueue::WaitHandled(uint64_t target, double timeout_s,
     }
     lock.lock();
   }
-  if (WaitsForever(timeout_s)) {
-    handled_cv_.wait(lock, done);
-  } else {
-    handled_cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), done);
-  }
+  std::string interrupted;
+  WaitInterruptibly(handled_cv_, lock, timeout_s, done, &interrupted);
   fences_waiting_ -= 1;
   if (handled_ >= target) return Handled::kYes;
+  if (!interrupted.empty()) return Handled::kInterrupted;
   if (!failure_.empty()) return Handled::kFailed;
   return closed_ ? Handled::kStopped : Handled::kTimedOut;
 }
@@ -416,6 +425,14 @@ std::atomic<uint64_t> g_dropped_at_exit{0};
 
 void SetExiting() { g_exiting.store(true); }
 
+namespace {
+std::atomic<bool> g_forked_child{false};
+}  // namespace
+
+void NoteForkedChild() { g_forked_child.store(true); }
+
+bool InForkedChild() { return g_forked_child.load(std::memory_order_relaxed); }
+
 uint64_t DroppedAtExit() { return g_dropped_at_exit.load(); }
 
 void SetQueueBudget(uint64_t max_queue_bytes) {
@@ -429,6 +446,7 @@ void SetQueueBudget(uint64_t max_queue_bytes) {
 int64_t Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
                 uint16_t flags, double timeout_s, xla::ffi::ThreadPool* pool,
                 uint64_t held_bytes) {
+  if (InForkedChild()) return DeviceQueue::kForked;
   Record record = EncodeRecord(consumer_id, static_cast<uint32_t>(device), arrays, flags, pool);
   record.held_bytes = held_bytes;
   const bool expects_response = (flags & kFlagExpectsResponse) != 0;
@@ -450,9 +468,15 @@ int64_t Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews
 }
 
 std::string WhyNotEnqueued(DeviceQueue* queue, int64_t pushed, double timeout_s) {
-  return pushed == DeviceQueue::kTimedOut
-             ? TimeoutMessage(timeout_s) + " (its device's queue stayed full)"
-             : queue->ClosedReason();
+  if (pushed == DeviceQueue::kTimedOut) {
+    return TimeoutMessage(timeout_s) + " (its device's queue stayed full)";
+  }
+  if (pushed == DeviceQueue::kForked) return kForkedMessage;
+  if (pushed == DeviceQueue::kInterrupted) {
+    return "hostcallback: " + LastInterruption() +
+           " while it waited for room in its device's full outfeed queue";
+  }
+  return queue->ClosedReason();
 }
 
 }  // namespace hostcallback

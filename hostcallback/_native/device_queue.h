@@ -79,10 +79,17 @@ inline constexpr double kTapPatienceSeconds = 5.0;
 class DeviceQueue {
  public:
   // kDroppedAtExit: a tap that found the queues closed by interpreter exit (SetExiting).
-  static constexpr int64_t kClosed = -1, kTimedOut = -2, kDroppedAtExit = -3;
+  // kInterrupted: the main thread waited for room and a signal handler raised (interrupts.h).
+  // kForked: this process is a fork() of the one whose receivers drain the queues.
+  static constexpr int64_t kClosed = -1, kTimedOut = -2, kDroppedAtExit = -3, kInterrupted = -4,
+                           kForked = -5;
 
   // What WaitHandled found.
-  enum class Handled { kYes, kStopped, kFailed, kTimedOut, kOwnReceiver, kReleased };
+  // kInterrupted: a signal handler raised while the main thread waited (interrupts.h).
+  // kForked: as for Push.
+  enum class Handled {
+    kYes, kStopped, kFailed, kTimedOut, kOwnReceiver, kReleased, kInterrupted, kForked
+  };
 
   explicit DeviceQueue(int device_id) : device(device_id) {}
 
@@ -120,6 +127,12 @@ class DeviceQueue {
   // docs/performance-log.md (2026-11-24).
   std::vector<Record> Pop(size_t max_records, size_t max_bytes, double timeout_s,
                           double coalesce_s = 0, double linger_s = 0);
+
+  // Barrier markers a drain took from this queue and could not hand to Python (its decoding
+  // failed: out of memory): kept here for the next drain, so that the barrier waiting for them
+  // ends (with the error) instead of waiting forever.
+  void KeepMarkers(const std::vector<uint64_t>& markers);
+  std::vector<uint64_t> TakeKeptMarkers();
 
   // Waits until the receiver has handled every tap that joined before this call (its
   // consumers returned), up to timeout_s (0: forever). Records are handled in queue order, and
@@ -207,6 +220,7 @@ class DeviceQueue {
   // The last coalescing wait gathered more records, or a Pop found several queued since.
   bool coalescing_pays_ = true;
   std::string failure_;
+  std::vector<uint64_t> kept_markers_;
   QueueStats stats_;
 };
 
@@ -230,6 +244,17 @@ void SetQueueBudget(uint64_t max_queue_bytes);
 // exit handlers would print; exit's warning has said how much was left.
 void SetExiting();
 uint64_t DroppedAtExit();
+
+// A child of fork() has the queues of its parent but not the receiver threads that drain them
+// (nor, maybe, the locks another thread held at the fork): there, every enqueue and every wait
+// for taps to be handled fails at once with kForkedMessage, taking no lock. Set by the
+// pthread_atfork handler that module.cc registers.
+void NoteForkedChild();
+bool InForkedChild();
+inline constexpr char kForkedMessage[] =
+    "hostcallback: this process is a fork() of the one whose receivers deliver taps and calls, "
+    "and has none of its own: taps and calls cannot be delivered here (start worker processes "
+    "with multiprocessing's \"spawn\" or \"forkserver\" method, or tap in the parent only)";
 
 // ---- joining a queue --------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@
 
 #include "constants.h"
 #include "device_queue.h"
+#include "interrupts.h"
 #include "record.h"
 #include "responses.h"
 #include "timeouts.h"
@@ -79,6 +80,11 @@ ffi::Error AwaitTapsHandled(DeviceQueue* queue) {
   const DeviceQueue::Handled handled = queue->AwaitTaps(kTapPatienceSeconds);
   if (handled == DeviceQueue::Handled::kFailed) {
     return ffi::Error::Internal(queue->ClosedReason());
+  }
+  if (handled == DeviceQueue::Handled::kForked) return ffi::Error::Internal(kForkedMessage);
+  if (handled == DeviceQueue::Handled::kInterrupted) {
+    return ffi::Error::Internal("hostcallback: the computation was " + LastInterruption() +
+                                " while it waited for its taps to be handled");
   }
   return ffi::Error::Success();
 }

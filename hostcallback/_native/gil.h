@@ -20,14 +20,17 @@ inline unsigned long g_main_thread_ident = 0;
 
 inline void RememberMainThread(unsigned long ident) { g_main_thread_ident = ident; }
 
+inline bool IsFinalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
 // Whether taking the GIL back now would end this thread.
 inline bool WouldBeEndedByFinalization() {
-#if PY_VERSION_HEX >= 0x030D0000
-  const bool finalizing = Py_IsFinalizing() != 0;
-#else
-  const bool finalizing = _Py_IsFinalizing() != 0;
-#endif
-  return finalizing && PyThread_get_thread_ident() != g_main_thread_ident;
+  return IsFinalizing() && PyThread_get_thread_ident() != g_main_thread_ident;
 }
 
 class GilReleased {

@@ -26,6 +26,7 @@
 //   numpy_records.{h,cc} drained records as numpy views; host arrays on their way in
 //   frames.{h,cc}        record-stream frames for the sinks, many records at once
 //   gil.h                releasing the GIL safely while the interpreter may be finalizing
+//   interrupts.{h,cc}    Ctrl-C while the main thread waits for the host
 //   module.cc            this file
 //
 // Rules every file keeps (docs/reliability.md):
@@ -36,6 +37,8 @@
 // - Queues are keyed by (platform, device id): ids repeat across platforms.
 
 #include "numpy_api.h"  // first: before any other NumPy header
+
+#include <pthread.h>
 
 #include <algorithm>
 #include <cmath>
@@ -51,6 +54,7 @@
 #include "ffi_handlers.h"
 #include "frames.h"
 #include "gil.h"
+#include "interrupts.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/ndarray.h"
 #include "nanobind/stl/string.h"
@@ -58,6 +62,7 @@
 #include "nanobind/stl/vector.h"
 #include "numpy_records.h"
 #include "record.h"
+#include "xla/ffi/api/c_api.h"
 #include "responses.h"
 #include "timeouts.h"
 
@@ -106,13 +111,22 @@ nb::tuple Drain(int device, size_t max_records, size_t max_bytes, double timeout
   LoadDtypes();  // before any record leaves the queue
   max_bytes = std::min<uint64_t>(max_bytes, g_max_queue_bytes.load());
   g_batch_bytes.store(max_bytes, std::memory_order_relaxed);
+  // Markers an earlier drain took and could not hand out come first, and without waiting.
+  std::vector<uint64_t> markers = queue->TakeKeptMarkers();
+  const bool at_once = !markers.empty();
   std::vector<Record> records;
   {
     GilReleased released;
     ReturnReleased();
-    records = queue->Pop(max_records, max_bytes, timeout_s, coalesce_s, linger_s);
+    records = queue->Pop(max_records, max_bytes, at_once ? kAtOnceSeconds : timeout_s,
+                         at_once ? 0 : coalesce_s, at_once ? 0 : linger_s);
   }
-  return DecodeRecords(records);
+  try {
+    return DecodeRecords(records, markers);
+  } catch (...) {
+    queue->KeepMarkers(markers);
+    throw;
+  }
 }
 
 // The callback transport's tap: the same record, from the device's Python callback.
@@ -254,6 +268,8 @@ std::string AwaitHandledFromPython(int device, double timeout_s, const std::stri
     case DeviceQueue::Handled::kTimedOut: return "timed out";
     case DeviceQueue::Handled::kOwnReceiver: return "own receiver";
     case DeviceQueue::Handled::kReleased: return "released";
+    case DeviceQueue::Handled::kInterrupted: return "interrupted";
+    case DeviceQueue::Handled::kForked: return "forked";
   }
   return "handled";
 }
@@ -267,6 +283,10 @@ std::string AwaitTapsFromPython(int device, const std::string& platform) {
     GilReleased released;
     handled = queue->AwaitTaps(kTapPatienceSeconds);
   }
+  if (handled == DeviceQueue::Handled::kInterrupted) {
+    return "hostcallback: " + LastInterruption() + " while waiting for taps to be handled";
+  }
+  if (handled == DeviceQueue::Handled::kForked) return kForkedMessage;
   return handled == DeviceQueue::Handled::kFailed ? queue->ClosedReason() : "";
 }
 
@@ -312,6 +332,7 @@ nb::dict PoolStatsDict() {
 void DefineModule(nb::module_& m) {
   m.doc() = "hostcallback's native outfeed queues and XLA FFI handlers";
   if (!ImportNumpyApi()) throw nb::python_error();
+  pthread_atfork(nullptr, nullptr, NoteForkedChild);
   RememberMainThread(nb::cast<unsigned long>(
       nb::module_::import_("threading").attr("main_thread")().attr("ident")));
   m.def("registrations", []() {
@@ -403,6 +424,9 @@ void DefineModule(nb::module_& m) {
         "Interpreter exit has given up waiting: from now on a tap that finds its queue closed "
         "is dropped and counted (dropped_at_exit) instead of failing its computation.");
   m.def("dropped_at_exit", &DroppedAtExit);
+  m.def("watch_interrupts", &WatchInterrupts,
+        "Puts a SIGINT handler in front of Python's (where Python handles SIGINT and it is not "
+        "there yet) so that Ctrl-C ends a wait of the main thread for the host at once.");
   m.def("set_max_queue_bytes", &SetMaxQueueBytes, nb::arg("max_queue_bytes"));
   m.def("max_queue_bytes", []() { return g_max_queue_bytes.load(); });
   m.def("pooled_bytes", []() { return g_pool.PooledBytes(); },
@@ -413,6 +437,9 @@ void DefineModule(nb::module_& m) {
   DefineFrameFunctions(m);
   // The constants Python shares with the core (constants.h): Python reads them from here.
   m.attr("NATIVE_PLATFORM") = kNativePlatform;
+  // The XLA FFI API of the headers the core was built against: a jaxlib registers its handlers
+  // only if it speaks this major version and at least this minor one (ffi_api.py checks first).
+  m.attr("FFI_API_VERSION") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);
   m.attr("WIRE_VERSION") = kVersion;
   m.attr("WIRE_MAGIC") = kMagic;
   m.attr("WIRE_ALIGNMENT") = kAlignment;

@@ -160,11 +160,10 @@ void LoadDtypes() {
   g_dtypes_loaded = true;
 }
 
-nb::tuple DecodeRecords(std::vector<Record>& records) {
+nb::tuple DecodeRecords(std::vector<Record>& records, std::vector<uint64_t>& marker_values) {
   // Barrier markers first, before any Python object is made.
-  std::vector<uint64_t> marker_values;
   try {
-    marker_values.reserve(records.size());
+    marker_values.reserve(marker_values.size() + records.size());
   } catch (...) {
     for (const Record& r : records) ReleaseRecord(r);
     throw;

@@ -19,13 +19,14 @@ namespace hostcallback {
 void LoadDtypes();
 
 // Decodes a drained batch in C++: returns (records, markers) where each record is
-// (consumer_id, device, sequence, flags, arrays) in queue order and markers holds the values of
-// the barrier markers of this batch (they never reach Python as records). arrays is a tuple of
-// read-only views of the record, owned by one capsule per record; or, for a record that cannot
-// be decoded, a str saying why, so that only its own consumer fails. Both tuples are left out
-// of the cycle collector. The markers are taken out before anything can fail, and every record
-// is owned or released (ReleaseRecord) on every path: `records` is spent either way.
-nanobind::tuple DecodeRecords(std::vector<Record>& records);
+// (consumer_id, device, sequence, flags, arrays) in queue order and markers holds `markers` and
+// then the values of the barrier markers of this batch (they never reach Python as records).
+// arrays is a tuple of read-only views of the record, owned by one capsule per record; or, for a
+// record that cannot be decoded, a str saying why, so that only its own consumer fails. Both
+// tuples are left out of the cycle collector. The batch's markers are appended to `markers`
+// before anything can fail, so that a caller whose decoding failed still has them, and every
+// record is owned or released (ReleaseRecord) on every path: `records` is spent either way.
+nanobind::tuple DecodeRecords(std::vector<Record>& records, std::vector<uint64_t>& markers);
 
 // Hands each record out as a read-only uint8 array owning it. Exception-safe: a record is owned
 // by its capsule once wrapped; if wrapping one fails, it and every later record go back to the

@@ -7,6 +7,7 @@
 #include <chrono>
 
 #include "device_queue.h"
+#include "interrupts.h"
 #include "timeouts.h"
 
 namespace hostcallback {
@@ -47,15 +48,15 @@ std::string Responses::Wait(Key key, double timeout_s, Response* out, double cal
   auto answered = [&] {
     return closed_ || entry->second.answered || failed_.count(key.first) > 0;
   };
-  if (WaitsForever(timeout_s)) {
-    cv_.wait(lock, answered);
-  } else {
-    cv_.wait_for(lock, std::chrono::duration<double>(timeout_s), answered);
-  }
+  std::string interrupted;
+  WaitInterruptibly(cv_, lock, timeout_s, answered, &interrupted);
   const bool got = entry->second.answered;
   if (got) *out = std::move(entry->second.response);
   table_.erase(entry);
   if (got) return "";
+  if (!interrupted.empty()) {
+    return "hostcallback: the call was " + interrupted + " while it waited for the host's answer";
+  }
   if (auto failed = failed_.find(key.first); failed != failed_.end()) return failed->second;
   if (closed_) return kStoppedMessage;
   return TimeoutMessage(call_timeout_s);

@@ -10,6 +10,9 @@ namespace hostcallback {
 // infinite double overflows and would end the wait at once.
 inline constexpr double kForeverSeconds = 1e9;
 
+// A timeout that does not wait: 0 would mean forever.
+inline constexpr double kAtOnceSeconds = 1e-9;
+
 // timeout_s <= 0 (no timeout given), infinity and anything above kForeverSeconds wait forever.
 inline bool WaitsForever(double timeout_s) {
   return timeout_s <= 0 || timeout_s >= kForeverSeconds;

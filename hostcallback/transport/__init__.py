@@ -18,10 +18,11 @@ from typing import Any
 
 from hostcallback import config
 from hostcallback._jax import mlir
-from hostcallback._native import outfeed
+from hostcallback._native import ffi_api, outfeed
 from hostcallback.transport import callback, native
 
-NATIVE_PLATFORMS = frozenset({outfeed.NATIVE_PLATFORM})
+# None where this jaxlib refuses the core's handlers (ffi_api.py): the callback transport serves.
+NATIVE_PLATFORMS = frozenset() if ffi_api.MISMATCH else frozenset({outfeed.NATIVE_PLATFORM})
 # Where our primitives have lowerings: the native handler's platforms, and the callback
 # transport's (every platform with JAX host callbacks).
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")

@@ -11,24 +11,22 @@ import dataclasses
 import jax
 import numpy as np
 from hostcallback import _jax as jx
-from hostcallback._native import outfeed
+from hostcallback._native import ffi_api, outfeed
 
 TAP_TARGET = "hostcallback_tap"
 TAP_HANDLED_TARGET = "hostcallback_tap_handled"  # a tap that returns once it was handled
 CALL_TARGET = "hostcallback_call"
 CHECK_TARGET = "hostcallback_check"
 
-for _name, _capsule in outfeed.registrations().items():
-    try:
-        jax.ffi.register_ffi_target(_name, _capsule, platform=outfeed.NATIVE_PLATFORM)
-    except Exception as error:  # noqa: BLE001 - jaxlib's own error type differs by version
-        raise ImportError(
-            f"hostcallback's C++ core cannot be registered with this jaxlib ({jax.__version__}): "
-            f"{error}. The core was built against another JAX's FFI headers (a core built with "
-            "an older JAX works with newer ones, not the other way round): rebuild it against "
-            "this one with `pip install --force-reinstall --no-deps --no-build-isolation .` from "
-            "hostcallback's source, or `pip install --no-binary hostcallback hostcallback`.") \
-            from error
+if ffi_api.MISMATCH is None:  # a registration jaxlib refuses would take its CPU backend down
+    for _name, _capsule in outfeed.registrations().items():
+        try:
+            jax.ffi.register_ffi_target(_name, _capsule, platform=outfeed.NATIVE_PLATFORM)
+        except Exception as error:  # noqa: BLE001 - jaxlib's own error type differs by version
+            raise ImportError(
+                f"hostcallback's C++ core cannot be registered with this jaxlib "
+                f"({jax.__version__}): {error}. The core was built against another JAX's FFI "
+                f"headers: {ffi_api.REBUILD}.") from error
 
 _lower_tap = jax.ffi.ffi_lowering(TAP_TARGET, has_side_effect=True)
 _lower_call = jax.ffi.ffi_lowering(CALL_TARGET, has_side_effect=True)

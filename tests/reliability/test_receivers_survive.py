@@ -12,7 +12,7 @@ import pytest
 from helpers import run_python
 
 import hostcallback as hcb
-from hostcallback import wire
+from hostcallback import handover, wire
 from hostcallback._native import outfeed
 
 
@@ -37,6 +37,61 @@ def test_a_consumer_raising_a_base_exception_is_reported_and_the_receiver_lives(
     assert collector.values == [2]
 
 
+class Unnamable:
+    """A callable without ``__name__`` whose repr fails, as a half-built object's may."""
+
+    def __init__(self, error: BaseException | None) -> None:
+        self.error = error
+
+    def __repr__(self):
+        raise RuntimeError("no repr for you")
+
+    def __call__(self, arg, *rest):
+        if self.error is not None:
+            raise self.error
+        return arg
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise AttributeError("it formats a field it never set")
+
+
+NOT_UTF8 = b"caf\xe9.txt".decode("utf-8", "surrogateescape")  # as os.listdir gives it
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("error", [ValueError("bad"), Unprintable(),
+                                   FileNotFoundError(f"no such file: {NOT_UTF8}")],
+                         ids=["repr fails", "str fails", "lone surrogate"])
+def test_a_failing_tap_consumer_that_cannot_be_described_leaves_its_receiver_alive(
+        transport, collector, error):
+    jax.jit(lambda x: hcb.id_tap(Unnamable(error), x))(1)
+    with pytest.raises(hcb.CallbackException) as info:
+        hcb.barrier_wait(timeout=60)
+    assert info.value.__cause__ is error
+    assert "<Unnamable object> on " in str(info.value)
+    jax.jit(lambda x: hcb.id_tap(collector, x))(2)
+    hcb.barrier_wait(timeout=60)
+    assert collector.values == [2]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("error, said", [
+    (ValueError("bad"), "ValueError: bad"),
+    (Unprintable(), "Unprintable (its message could not be formatted: AttributeError)"),
+    (FileNotFoundError(f"no such file: {NOT_UTF8}"), "no such file: caf\\udce9.txt")],
+    ids=["repr fails", "str fails", "lone surrogate"])
+def test_a_failing_call_that_cannot_be_described_fails_only_itself(transport, error, said):
+    calling = jax.jit(lambda f, x: hcb.call(f, x, result_shape=x), static_argnums=0)
+    with pytest.raises(Exception, match="hostcallback call consumer") as info:
+        calling(Unnamable(error), jnp.float32(1)).block_until_ready()
+    assert "<Unnamable object> failed: " in str(info.value)
+    assert said in str(info.value)
+    assert float(calling(Unnamable(None), jnp.float32(3))) == 3.0  # the receiver lives
+    hcb.barrier_wait(timeout=60)  # a failed call is reported by its call, not again here
+
+
 @pytest.mark.timeout(120)
 def test_an_error_out_of_drain_is_reported_and_the_receiver_goes_on(
         transport, collector, monkeypatch):
@@ -57,6 +112,28 @@ def test_an_error_out_of_drain_is_reported_and_the_receiver_goes_on(
     assert isinstance(info.value.__cause__, MemoryError)
     assert collector.values == [5]
     hcb.barrier_wait(timeout=60)  # reported once
+
+
+@pytest.mark.timeout(120)
+def test_an_error_after_drain_took_a_barriers_markers_ends_that_barrier_with_it(
+        transport, collector, monkeypatch):
+    jax.jit(lambda x: hcb.id_tap(collector, x))(1)
+    hcb.barrier_wait(timeout=60)
+    real, failed = handover.with_tap_arrays, []
+
+    def failing_once(batch):  # the drain that brings the next barrier's markers fails after it
+        if not failed:
+            failed.append(batch)
+            raise MemoryError("no memory to hand the batch over")
+        return real(batch)
+
+    monkeypatch.setattr(handover, "with_tap_arrays", failing_once)
+    with pytest.raises(hcb.CallbackException) as info:
+        hcb.barrier_wait(timeout=60)  # not a TimeoutError: its markers were not dropped
+    assert isinstance(info.value.__cause__, MemoryError)
+    jax.jit(lambda x: hcb.id_tap(collector, x))(2)
+    hcb.barrier_wait(timeout=60)
+    assert collector.values == [1, 2]
 
 
 @pytest.mark.timeout(120)

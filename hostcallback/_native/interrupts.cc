@@ -1,0 +1,70 @@
+// Python's pending signals, looked at from a wait of the main thread (interrupts.h).
+
+#include "interrupts.h"
+
+#include <Python.h>
+
+#include <atomic>
+#include <csignal>
+
+#include "gil.h"
+
+namespace hostcallback {
+
+namespace {
+thread_local std::string t_last_interruption;
+
+std::atomic<bool> g_interrupt_noted{false};
+struct sigaction g_python_handler;  // what ours chains to; written before ours is installed
+
+void NoteInterrupt(int signum, siginfo_t* info, void* context) {
+  g_interrupt_noted.store(true);
+  if (g_python_handler.sa_flags & SA_SIGINFO) {
+    g_python_handler.sa_sigaction(signum, info, context);
+  } else if (g_python_handler.sa_handler != SIG_DFL && g_python_handler.sa_handler != SIG_IGN) {
+    g_python_handler.sa_handler(signum);
+  }
+}
+}  // namespace
+
+void WatchInterrupts() {
+  static_assert(std::atomic<bool>::is_always_lock_free, "the signal handler stores it");
+  struct sigaction now;
+  if (sigaction(SIGINT, nullptr, &now) != 0) return;
+  const bool ours = (now.sa_flags & SA_SIGINFO) && now.sa_sigaction == NoteInterrupt;
+  if (ours || now.sa_handler == SIG_DFL || now.sa_handler == SIG_IGN) return;
+  g_python_handler = now;
+  struct sigaction chained = now;
+  chained.sa_flags |= SA_SIGINFO;
+  chained.sa_sigaction = NoteInterrupt;
+  sigaction(SIGINT, &chained, nullptr);
+}
+
+bool TakeInterruptNote() {
+  return g_interrupt_noted.load(std::memory_order_relaxed) && g_interrupt_noted.exchange(false);
+}
+
+const std::string& LastInterruption() { return t_last_interruption; }
+
+bool OnMainThread() { return PyThread_get_thread_ident() == g_main_thread_ident; }
+
+std::string CheckSignals() {
+  if (!OnMainThread() || IsFinalizing()) return "";
+  const PyGILState_STATE state = PyGILState_Ensure();
+  std::string why;
+  if (PyErr_CheckSignals() != 0) {
+    PyObject* raised = PyErr_Occurred();
+    const bool keyboard =
+        raised != nullptr && PyErr_GivenExceptionMatches(raised, PyExc_KeyboardInterrupt);
+    why = std::string("interrupted (") +
+          (raised != nullptr ? reinterpret_cast<PyTypeObject*>(raised)->tp_name : "a signal") +
+          ")";
+    PyErr_Clear();
+    if (keyboard) PyErr_SetInterruptEx(SIGINT);
+  }
+  PyGILState_Release(state);
+  if (!why.empty()) t_last_interruption = why;
+  return why;
+}
+
+}  // namespace hostcallback

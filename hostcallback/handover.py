@@ -87,12 +87,16 @@ def call(device: int, consumer_id: int, arrays: Sequence[np.ndarray], timeout_s:
     ticket = next(_tickets)
     _arguments[ticket] = arguments
     try:
-        outfeed.call_handed_over(device, consumer_id, [wire.as_leaf(np.uint64(ticket))],
-                                 timeout_s, platform=platform)
-        return _answers[ticket]
-    finally:
-        _arguments.pop(ticket, None)
-        _answers.pop(ticket, None)
+        try:
+            outfeed.call_handed_over(device, consumer_id, [wire.as_leaf(np.uint64(ticket))],
+                                     timeout_s, platform=platform)
+            return _answers[ticket]
+        finally:
+            _arguments.pop(ticket, None)
+            _answers.pop(ticket, None)
+    except KeyboardInterrupt:  # Ctrl-C while the main thread waited: it is the call's error
+        raise KeyboardInterrupt("hostcallback: the call was interrupted (KeyboardInterrupt) "
+                                "while it waited for the host's answer") from None
 
 
 def ticket_of(leaves: Sequence[np.ndarray]) -> int:

@@ -89,10 +89,6 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, to
         except BaseException as error:  # shared: every error becomes the flag, see above
             if not shared:
                 outfeed.computation_failed()  # XLA runs nothing more of it, fence included
-                if isinstance(error, KeyboardInterrupt):  # Ctrl-C: the computation's error
-                    raise KeyboardInterrupt("hostcallback: the call was interrupted "
-                                            "(KeyboardInterrupt) while it waited for the host's "
-                                            "answer") from None
                 raise
             reason = str(error) if isinstance(error, RuntimeError) else describe_error(error)
             if reason.startswith(outfeed.CALL_TIMEOUT_PREFIX):

@@ -74,7 +74,7 @@ def test_a_first_ctrl_c_ends_a_long_scan_of_calls_at_once(transport):
     assert "interrupted (KeyboardInterrupt)" in stderr
     if transport == "native":  # it ends as Python ends a program on a KeyboardInterrupt
         assert child.returncode == -signal.SIGINT, stderr
-        assert stderr.splitlines()[-1] == "KeyboardInterrupt", stderr
+        assert "KeyboardInterrupt" in stderr.splitlines(), stderr
     else:  # as with JAX's own callbacks: the computation's error is the KeyboardInterrupt
         assert child.returncode == 1, stderr
         assert "JaxRuntimeError: INTERNAL: CpuCallback error" in stderr

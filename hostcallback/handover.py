@@ -13,7 +13,9 @@ arrays wait here under it:
   each must own its memory whole, as the arrays JAX's CPU client hands a host callback do
   (tests/core/test_call_handover.py checks it). Its record weighs the arrays' bytes against the
   queue's budget as if it held them (a full queue makes the device wait, as for any tap), and
-  the receiver takes them from here as it drains the record (with_tap_arrays). Taps under
+  the receiver takes them from here as it drains the record (with_tap_arrays); where the record
+  will never be drained (its batch was lost, its receiver died or ended), the receiver lets go of
+  them (forget_batch, forget_queue). Taps under
   TAP_HANDOVER_MIN_BYTES, and arrays over memory held by something else (on GPU, a capsule of
   jaxlib's; in the portable mode, a jax.Array), are copied into the record as the native handler
   copies.
@@ -40,7 +42,8 @@ TAP_HANDOVER_MIN_BYTES = 1 << 16
 _tickets = itertools.count(1)  # next() is atomic under the GIL
 _arguments: dict[int, tuple[np.ndarray, ...]] = {}
 _answers: dict[int, list[np.ndarray]] = {}
-_taps: dict[int, tuple[np.ndarray, ...]] = {}
+# A handed-over tap's arrays by ticket, with the queue its record is in ((platform, device)).
+_taps: dict[int, tuple[tuple[str, int], tuple[np.ndarray, ...]]] = {}
 # Masks a record's flags to tell a tap handed over (FLAG_HANDED_OVER_IN_PYTHON alone) from a call.
 _HANDED_OVER_TAP = wire.FLAG_HANDED_OVER_IN_PYTHON | wire.FLAG_EXPECTS_RESPONSE
 
@@ -53,7 +56,7 @@ def tap(device: int, consumer_id: int, arrays: Sequence[np.ndarray], platform: s
         outfeed.enqueue(device, consumer_id, [wire.as_leaf(a) for a in arrays], platform=platform)
         return
     ticket = next(_tickets)
-    _taps[ticket] = tuple(_read_only(a) for a in arrays)
+    _taps[ticket] = ((platform, device), tuple(_read_only(a) for a in arrays))
     try:
         outfeed.enqueue_handed_over(device, consumer_id, [wire.as_leaf(np.uint64(ticket))],
                                     held_bytes, platform=platform)
@@ -73,10 +76,31 @@ def with_tap_arrays(batch: list) -> list:
     for index, record in enumerate(batch):
         if (record[FLAGS] & _HANDED_OVER_TAP == wire.FLAG_HANDED_OVER_IN_PYTHON
                 and record[LEAVES].__class__ is not str):  # (a reason: the receiver reports it)
-            arrays = _taps.pop(ticket_of(record[LEAVES]),
-                               "its arrays, handed over in Python, were not there")
+            _, arrays = _taps.pop(ticket_of(record[LEAVES]),
+                                  (None, "its arrays, handed over in Python, were not there"))
             batch[index] = (*record[:LEAVES], arrays, *record[LEAVES + 1:])
     return batch
+
+
+def forget_batch(batch: list) -> None:
+    """Lets go of the arrays of a batch's handed-over taps: the batch was lost (its hand-over
+    failed), so nothing will take them."""
+    for record in batch:
+        leaves = record[LEAVES]
+        # Still its ticket (one 0-d uint64), not the arrays with_tap_arrays put in its place:
+        # those are 64 KiB at least.
+        if (record[FLAGS] & _HANDED_OVER_TAP == wire.FLAG_HANDED_OVER_IN_PYTHON
+                and leaves.__class__ is tuple and len(leaves) == 1
+                and leaves[0].shape == () and leaves[0].dtype == np.uint64):
+            _taps.pop(ticket_of(leaves), None)
+
+
+def forget_queue(platform: str, device: int) -> None:
+    """Lets go of the arrays of every handed-over tap still queued on a queue that no receiver
+    will drain any more (it died, or was stopped and ended)."""
+    for ticket, (key, _) in list(_taps.items()):
+        if key == (platform, device):
+            _taps.pop(ticket, None)
 
 
 def call(device: int, consumer_id: int, arrays: Sequence[np.ndarray], timeout_s: float,

@@ -210,6 +210,7 @@ class ReceiverPool:
         for thread in self._threads.values():
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         self._stopped = True
+        self._forget_queues_of_ended_receivers()
         return self.undelivered()
 
     def is_receiver_thread(self) -> bool:
@@ -244,7 +245,16 @@ class ReceiverPool:
             except KeyboardInterrupt:  # one more Ctrl-C: leave at once
                 break
         self._stopped = True
+        self._forget_queues_of_ended_receivers()
         return left
+
+    def _forget_queues_of_ended_receivers(self) -> None:
+        """After a stop: what a receiver that has ended left queued is never drained, so the
+        arrays its handed-over taps stand for are let go (a receiver still in a consumer past
+        the deadline drains the rest of its queue when it returns)."""
+        for key, thread in self._threads.items():
+            if not thread.is_alive():
+                handover.forget_queue(*key)
 
     def say_what_is_waited_for(self) -> None:
         """One line on stderr: the tapped computations still running and the records queued;
@@ -285,18 +295,21 @@ class ReceiverPool:
                         return
                     time.sleep(_DRAIN_RETRY_SECONDS)
                     continue
+                lost = False
                 try:
                     batch = handover.with_tap_arrays(batch)
                 except Exception as error:  # noqa: BLE001 - the batch is lost (the barrier says
                     # why), its markers are not: a barrier waiting for them ends with the error
                     self.failures.record("receiver", "drain()", device, error)
-                    batch = []
-                if batch and not self._abandoned:
+                    handover.forget_batch(batch)
+                    lost = True
+                if batch and not self._abandoned and not lost:
                     self._batches[key] = batch  # for undelivered(), while it is delivered
                     self._deliver(key, device, batch)
                     self._batches[key] = None
                 if markers or batch:
                     with self._lock:
+                        # (a lost batch counts too: its error is what the barrier reports)
                         self._delivered[key] += len(batch)  # markers are counted apart
                         if markers:
                             self._markers[key].update(markers)
@@ -316,6 +329,7 @@ class ReceiverPool:
             self._dead[key] = reason
             self._marker_seen.notify_all()
         outfeed.fail(key[1], reason, platform=key[0])
+        handover.forget_queue(*key)  # nothing drains its queue any more
         logger.critical("%s", reason, exc_info=error)
 
     def _deliver(self, key: QueueKey, device: Any, batch: list) -> None:

@@ -16,11 +16,14 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <new>
+#include <random>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "constants.h"
@@ -165,11 +168,42 @@ ffi::Error FenceImpl(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
   }, /*ends_on_failure=*/false);
 }
 
-// Why a shared call failed, by consumer id: written by the calling device, read by every device
-// of the computation in HostcallbackCheck once the failure flag has reached them all.
-struct CallFailures {
-  std::mutex mu;
-  std::map<uint64_t, std::string> by_consumer;
+// Why a shared call failed: written by the calling device under a failure id of its own, which
+// is the call's failure flag, read by every device of the computation in HostcallbackCheck once
+// the flag has reached them all (summed: only the caller's is not 0). Keyed by (consumer, id),
+// so that overlapping executions of one call, or a failure in another process, never read
+// another failure's reason. The newest kKept are kept: every device reads a reason right after
+// it was written.
+class CallFailures {
+ public:
+  uint32_t Keep(uint64_t consumer_id, const std::string& reason) {
+    std::lock_guard<std::mutex> lock(mu_);
+    uint32_t id = next_id_++;
+    if (id == 0) id = next_id_++;  // 0 is "no failure"
+    reasons_[{consumer_id, id}] = reason;
+    order_.push_back({consumer_id, id});
+    if (order_.size() > kKept) {
+      reasons_.erase(order_.front());
+      order_.pop_front();
+    }
+    return id;
+  }
+
+  std::string Reason(uint64_t consumer_id, uint32_t id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto found = reasons_.find({consumer_id, id});
+    return found != reasons_.end() ? found->second
+                                   : "hostcallback: the call failed on a device of another "
+                                     "process (its log says why)";
+  }
+
+ private:
+  static constexpr size_t kKept = 1024;
+  std::mutex mu_;
+  // A different start in each process: an id from another process is unlikely to be one here.
+  uint32_t next_id_ = static_cast<uint32_t>(std::random_device{}());
+  std::map<std::pair<uint64_t, uint32_t>, std::string> reasons_;
+  std::deque<std::pair<uint64_t, uint32_t>> order_;
 };
 CallFailures& g_call_failures = *new CallFailures();
 
@@ -199,7 +233,7 @@ void ReportSharedTimeout(const std::string& problem) {
 // emit_device != kAllDevices (a call shared over the devices of a sharded computation): only
 // that device calls and the others return zeros; the last output is a uint32 failure flag. The
 // calling device must not fail on its own, since the others wait for it in the collective that
-// shares its results: it returns zeros with the flag set and leaves the reason for
+// shares its results: it returns zeros with its failure id as the flag and leaves the reason for
 // HostcallbackCheck, which fails every device together after the collective.
 ffi::Error CallImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consumer_id,
                     int64_t emit_device, double timeout_s, ffi::RemainingArgs args,
@@ -252,18 +286,14 @@ ffi::Error CallImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consu
     if (!shared) {
       return problem.empty() ? ffi::Error::Success() : ffi::Error::Internal(problem);
     }
+    uint32_t failed = 0;
     if (!problem.empty()) {
       if (problem.rfind(kTimeoutPrefix, 0) == 0) ReportSharedTimeout(problem);
       if (ffi::Error error = ZeroOutputs(rets); error.failure()) return error;
-      std::lock_guard<std::mutex> lock(g_call_failures.mu);
-      g_call_failures.by_consumer[consumer_id] = problem;
-    } else {  // no reason of ours is left to be read for a failure elsewhere (another process)
-      std::lock_guard<std::mutex> lock(g_call_failures.mu);
-      g_call_failures.by_consumer.erase(consumer_id);
+      failed = g_call_failures.Keep(consumer_id, problem);
     }
     ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> flag = rets.get<ffi::AnyBuffer>(rets.size() - 1);
     if (!flag.has_value()) return flag.error();
-    const uint32_t failed = problem.empty() ? 0 : 1;
     std::memcpy((*flag.value()).untyped_data(), &failed, sizeof(failed));
     return ffi::Error::Success();
   });
@@ -278,14 +308,7 @@ ffi::Error CheckImpl(uint64_t consumer_id, ffi::RemainingArgs args, ffi::Remaini
     if (!flag.has_value()) return flag.error();
     uint32_t failed = 0;
     std::memcpy(&failed, flag.value().untyped_data(), sizeof(failed));
-    if (failed != 0) {
-      std::lock_guard<std::mutex> lock(g_call_failures.mu);
-      auto found = g_call_failures.by_consumer.find(consumer_id);
-      return ffi::Error::Internal(
-          found != g_call_failures.by_consumer.end()
-              ? found->second
-              : "hostcallback: the call failed on a device of another process (its log says why)");
-    }
+    if (failed != 0) return ffi::Error::Internal(g_call_failures.Reason(consumer_id, failed));
     for (size_t i = 0; i < rets.size(); ++i) {
       ffi::ErrorOr<ffi::AnyBuffer> in = args.get<ffi::AnyBuffer>(i);
       ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);

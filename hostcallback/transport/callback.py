@@ -10,8 +10,12 @@ calls the consumer itself.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
+import random
 import sys
+import threading
 from collections.abc import Callable
 
 import jax
@@ -93,10 +97,7 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, to
             reason = str(error) if isinstance(error, RuntimeError) else describe_error(error)
             if reason.startswith(outfeed.CALL_TIMEOUT_PREFIX):
                 _report_shared_timeout(reason)
-            _shared_call_failures[consumer_id] = reason
-            return zeros()[:-1] + (np.uint32(1),)
-        if shared:  # no reason of ours is left to be read for a failure in another process
-            _shared_call_failures.pop(consumer_id, None)
+            return zeros()[:-1] + (np.uint32(_shared_call_failures.keep(consumer_id, reason)),)
         return results + (np.uint32(0),) if shared else results
 
     if isinstance(op_sharding, jx.SdyArrayList) and result_avals:
@@ -173,8 +174,37 @@ def _report_shared_timeout(reason: str) -> None:
           "fails with this error)", file=sys.stderr, flush=True)
 
 
-# Why a shared call failed, by consumer id (see call): read by check on every device.
-_shared_call_failures: dict[int, str] = {}
+class _SharedCallFailures:
+    """Why a shared call failed, under a failure id of its own that is the call's failure flag
+    (see call), read by check on every device: keyed by (consumer, id), so that overlapping
+    executions of one call, or a failure in another process, never read another's reason. The
+    newest KEPT are kept: every device reads a reason right after it was written."""
+
+    KEPT = 1024
+
+    def __init__(self) -> None:
+        self._reasons: collections.OrderedDict[tuple[int, int], str] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        # A different start in each process: an id from another process is unlikely to be one
+        # here.
+        self._ids = itertools.count(random.SystemRandom().randrange(1, 1 << 31))
+
+    def keep(self, consumer_id: int, reason: str) -> int:
+        with self._lock:
+            failure_id = next(self._ids) % (1 << 32) or next(self._ids)  # 0 is "no failure"
+            self._reasons[(consumer_id, failure_id)] = reason
+            if len(self._reasons) > self.KEPT:
+                self._reasons.popitem(last=False)
+            return failure_id
+
+    def reason(self, consumer_id: int, failure_id: int) -> str:
+        with self._lock:
+            return self._reasons.get((consumer_id, failure_id),
+                                     "hostcallback: the call failed on a device of another "
+                                     "process (its log says why)")
+
+
+_shared_call_failures = _SharedCallFailures()
 
 
 def check(ctx, failed, values, *, consumer_id: int, op_sharding):
@@ -184,9 +214,7 @@ def check(ctx, failed, values, *, consumer_id: int, op_sharding):
     def check_on_host(failed, *values):
         if failed:
             outfeed.computation_failed()  # XLA runs nothing more of it, fence included
-            raise RuntimeError(_shared_call_failures.get(
-                consumer_id, "hostcallback: the call failed on a device of another process "
-                             "(its log says why)"))
+            raise RuntimeError(_shared_call_failures.reason(consumer_id, int(failed)))
         return (failed, *values)
 
     avals = list(ctx.avals_in)

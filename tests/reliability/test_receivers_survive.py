@@ -12,7 +12,7 @@ import pytest
 from helpers import run_python
 
 import hostcallback as hcb
-from hostcallback import handover, wire
+from hostcallback import config, handover, wire
 from hostcallback._native import outfeed
 
 
@@ -137,6 +137,22 @@ def test_an_error_after_drain_took_a_barriers_markers_ends_that_barrier_with_it(
 
 
 @pytest.mark.timeout(120)
+def test_a_batch_whose_hand_over_failed_lets_go_of_the_arrays_its_large_taps_handed_over(
+        collector, monkeypatch):
+    def failing(batch):
+        raise MemoryError("no memory to hand the batch over")
+
+    with config.override(transport="callback"):
+        monkeypatch.setattr(handover, "with_tap_arrays", failing)
+        jax.jit(lambda x: hcb.id_tap(collector, x))(jnp.ones(1 << 18)).block_until_ready()
+        with pytest.raises(hcb.CallbackException):
+            hcb.barrier_wait(timeout=60)
+        assert handover._taps == {}  # the tap was lost, and its 1 MiB array is not kept
+        monkeypatch.undo()
+    assert collector.values == []
+
+
+@pytest.mark.timeout(120)
 def test_a_record_the_core_could_not_decode_fails_only_its_own_consumer(
         transport, collector, monkeypatch):
     real_drain = outfeed.drain
@@ -241,6 +257,41 @@ def test_if_a_receiver_dies_anyway_calls_and_barriers_fail_naming_why(transport)
     assert lines[1].startswith("call failed:") and lines[1].endswith("True True"), result.stderr
     assert lines[2] == "barrier failed: CallbackException True True", result.stderr
     assert lines[3] == "barrier again failed: CallbackException True True", result.stderr
+
+
+def test_a_dead_receiver_lets_go_of_the_arrays_its_queued_large_taps_handed_over():
+    result = run_python("""
+        import time
+        import jax, jax.numpy as jnp
+        import hostcallback as hcb
+        from hostcallback import handover
+        from hostcallback.lifecycle import lifecycle
+        from hostcallback.receiver import receivers
+
+        class Broken(BaseException):
+            pass
+
+        def deliver(*args):  # the first batch holds the receiver a while, then kills it
+            time.sleep(0.5)
+            raise Broken("injected fault")
+
+        hcb.configure(delivery="async")  # the steps do not wait for their taps
+        lifecycle.ensure_started()
+        receivers._deliver = deliver
+        step = jax.jit(lambda x: hcb.id_tap(lambda a, t: None, x) + 1)
+        big = jnp.ones(1 << 18)  # 1 MiB: its tap hands the array over instead of copying it
+        for _ in range(4):
+            big = step(big)
+        big.block_until_ready()
+        print("queued", len(handover._taps))
+        while not receivers.dead:
+            time.sleep(0.05)
+        print("held after the receiver died", len(handover._taps))
+        """, devices=1, env={"HOSTCALLBACK_TRANSPORT": "callback",
+                             "HOSTCALLBACK_EXIT_TIMEOUT": "5"})
+    lines = result.stdout.splitlines()
+    assert lines[0] != "queued 0", result.stderr  # some waited in the queue behind the first
+    assert lines[1] == "held after the receiver died 0", result.stderr
 
 
 def test_a_hundred_failing_taps_log_one_traceback_and_a_count():

@@ -91,6 +91,37 @@ def drain_one(device: int):
     return raw
 
 
+def run_jax_processes(worker: Path, *args: str, transport: str) -> list[str]:
+    """Runs ``worker COORDINATOR_PORT PROCESS_ID *args`` as two jax.distributed processes of 2
+    CPU devices each, to the end; returns their outputs (stdout and stderr), both having
+    succeeded."""
+    # PYTHONFAULTHANDLER: a worker stopped with SIGABRT prints the stack of each of its threads.
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               HOSTCALLBACK_TRANSPORT=transport, JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1")
+    coordinator = free_port()
+    workers = [subprocess.Popen(
+        [sys.executable, str(worker), str(coordinator), str(process), *args], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for process in range(2)]
+    deadline = time.monotonic() + 200  # all of them, leaving the stacks time within 300 s
+    try:
+        outputs = [w.communicate(timeout=max(0.1, deadline - time.monotonic()))[0]
+                   for w in workers]
+    except subprocess.TimeoutExpired:
+        for w in workers:
+            if w.poll() is None:
+                w.send_signal(signal.SIGABRT)
+        outputs = [w.communicate(timeout=30)[0] for w in workers]
+        raise AssertionError("the workers did not finish within 200 s; their output, with "
+                             "the stacks of those stopped:\n" + "\n".join(outputs))
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+    assert [w.returncode for w in workers] == [0, 0], "\n".join(outputs)
+    return outputs
+
+
 def run_cluster(tmp_path, worker: Path, steps: int, transport: str, run: str,
                 expected_records: int) -> list:
     """Runs ``worker`` as two jax.distributed processes of 2 CPU devices each, streaming to one
@@ -99,32 +130,8 @@ def run_cluster(tmp_path, worker: Path, steps: int, transport: str, run: str,
     from hostcallback.consumer.collector import CollectorThread
 
     server = CollectorThread(tmp_path / "collected").start()
-    # PYTHONFAULTHANDLER: a worker stopped with SIGABRT prints the stack of each of its threads.
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               HOSTCALLBACK_TRANSPORT=transport, JAX_PLATFORMS="cpu", PYTHONFAULTHANDLER="1")
-    coordinator = free_port()
     try:
-        workers = [subprocess.Popen(
-            [sys.executable, str(worker), str(coordinator), str(process), str(server.port),
-             str(steps)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for process in range(2)]
-        deadline = time.monotonic() + 200  # all of them, leaving the stacks time within 300 s
-        try:
-            outputs = [w.communicate(timeout=max(0.1, deadline - time.monotonic()))[0]
-                       for w in workers]
-        except subprocess.TimeoutExpired:
-            for w in workers:
-                if w.poll() is None:
-                    w.send_signal(signal.SIGABRT)
-            outputs = [w.communicate(timeout=30)[0] for w in workers]
-            raise AssertionError("the workers did not finish within 200 s; their output, with "
-                                 "the stacks of those stopped:\n" + "\n".join(outputs))
-        finally:
-            for w in workers:
-                if w.poll() is None:
-                    w.kill()
-                    w.wait()
-        assert [w.returncode for w in workers] == [0, 0], "\n".join(outputs)
+        run_jax_processes(worker, str(server.port), str(steps), transport=transport)
         deadline = time.monotonic() + 10
         while server.collector.records_written < expected_records and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -237,7 +237,12 @@ def id_print(arg: Any, *fmt_args: Any, result: Any = None, tap_with_device: bool
     With a format string, as ``jax.debug.print`` is written, the other positional and keyword
     arguments are tapped and formatted on the host with ``str.format``:
     ``id_print("step {step}: loss {loss:.4f}", step=step, loss=loss)`` prints one line and
-    returns ``result`` (None without one).
+    returns ``result`` (None without one); ``fmt_args`` are those positional arguments.
+
+    ``output_stream`` (default: standard output) is where it prints, and ``threshold`` is
+    numpy's summarisation threshold for the arrays. ``tap_with_device`` prints the device too.
+    ``ordered``, ``device_index``, ``callback_flavor``, ``partitioned`` and ``replays`` mean what
+    they mean for ``id_tap``.
     """
     _accept_tap_with_transform(kwargs)
     if isinstance(arg, str):
@@ -302,7 +307,8 @@ def barrier_wait(logging_name: str | None = None, *, timeout: float | None = Non
     """Waits until every tap of every computation dispatched so far has been handled.
 
     Raises CallbackException if a tap consumer raised since the last barrier (the first error is
-    its ``__cause__``), and TimeoutError if ``timeout`` seconds pass first.
+    its ``__cause__``), and TimeoutError if ``timeout`` seconds pass first. ``logging_name``
+    names the barrier in hostcallback's debug log.
     """
     lifecycle.barrier_wait(logging_name, timeout=timeout)
 
@@ -318,6 +324,8 @@ def taps_delivered(*, timeout: float | None = None) -> Iterator[None]:
 
         with pytest.warns(UserWarning), hcb.taps_delivered():
             model.fit(x, y)          # its taps warn on a receiver thread
+
+    ``timeout`` bounds the wait on leaving the block, as ``barrier_wait``'s does.
     """
     yield
     lifecycle.barrier_wait(None, timeout=timeout)
@@ -327,7 +335,8 @@ def stop_outfeed_receiver(*, timeout: float | None = None) -> None:
     """Delivers every pending tap, then stops the receiver threads for good.
 
     Afterwards tracing a tap raises ReceiverStoppedError and running an already compiled
-    computation with taps fails with an error that says the receiver was stopped.
+    computation with taps fails with an error that says the receiver was stopped. ``timeout``
+    bounds the whole stop (delivering and joining the threads), in seconds.
     """
     lifecycle.stop(timeout=timeout)
 
@@ -383,6 +392,8 @@ def call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any = Non
     computation fails with an error that names it; ``barrier_wait`` reports it too.
     ``call_with_device=True`` calls ``callback_func(arg, device=d)``. ``vmap_method`` says what
     vmap does, with ``jax.pure_callback``'s meanings; without one, vmap raises.
+    ``device_index``, ``ordered`` and ``callback_flavor`` mean what they mean for ``id_tap``
+    (``callback_flavor=CallbackFlavor.DEBUG``: no result, and the device does not wait).
     """
     result_shape = _result_shape_keyword(result_shape, kwargs)
     if kwargs:
@@ -509,6 +520,7 @@ def pure_callback(callback: Callable[..., Any], result_shape_dtypes: Any, *args:
     error in it fails the computation with a message that names it and reaches barrier_wait.
     ``sharding`` may only be None or a single-device sharding of the device that runs the
     computation; hostcallback.call's ``device_index`` picks a device of a sharded computation.
+    ``vmap_method`` has jax.pure_callback's meanings.
     """
     return _call(_checked_callback("pure_callback", callback, sharding, args, kwargs),
                  (args, kwargs), result_shape=result_shape_dtypes,

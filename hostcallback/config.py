@@ -95,7 +95,18 @@ def configure(*, transport: str | None = None, ordered: bool | None = None,
               max_queue_bytes: int | None = None, exit_timeout_s: float | None = None,
               delivery: str | None = None) -> None:
     """Changes settings for taps traced from now on (the queue budget applies at once; a
-    delivery applies to computations compiled from now on)."""
+    delivery applies to computations compiled from now on). An argument left None keeps its
+    setting.
+
+    ``transport``: "native" (the C++ handler where the platform has one, JAX's callbacks
+    elsewhere) or "callback" (JAX's callbacks everywhere); ``HOSTCALLBACK_TRANSPORT``.
+    ``ordered``: the default of the taps' ``ordered`` keyword; ``HOSTCALLBACK_ORDERED``.
+    ``max_queue_bytes``: each device's queue budget in bytes, beyond which a device waits;
+    ``HOSTCALLBACK_MAX_QUEUE_BYTES`` (256 MiB). ``exit_timeout_s``: how long interpreter exit
+    waits for pending taps; ``HOSTCALLBACK_EXIT_TIMEOUT`` (60). ``delivery``: when results are
+    ready: "handled" (once the computation's taps were handled, the default), "dispatch" (also
+    dispatch waits for them, as JAX's own callbacks make it on CPU) or "async" (at once);
+    ``HOSTCALLBACK_DELIVERY``."""
     if delivery is not None:
         if delivery not in DELIVERIES:
             raise ValueError(f"delivery={delivery!r}: choose one of {', '.join(DELIVERIES)}")

@@ -34,7 +34,9 @@ def callback(callback: Callable[..., None] | None = None, *args: Any, ordered: b
     The two-call form ``callback(ordered=True)(f, x)`` works too. Leaves that are not arrays or
     numbers (strings, objects) reach the callback as they are; arrays arrive as ``HostArray``:
     read-only numpy arrays that print and format as ``jax.Array`` does. Its return value is
-    ignored.
+    ignored. ``ordered=True`` keeps the order across computations, as JAX's does;
+    ``partitioned=True`` calls once per shard in a sharded jit, with that device's shard
+    (without it: once, with the whole value).
     """
     if callback is None:
         if args or kwargs:
@@ -56,7 +58,9 @@ def print(fmt: str | None = None, *args: Any, ordered: bool = False,  # noqa: A0
 
     Arrays are formatted with the numpy print options in force where it was traced; a format
     string without fields prints itself followed by the values, separated by spaces. The
-    two-call form ``print(ordered=True)("x={x}", x=x)`` works too.
+    two-call form ``print(ordered=True)("x={x}", x=x)`` works too. ``ordered`` and
+    ``partitioned`` mean what they mean for ``callback``; ``skip_format_check=True`` leaves out
+    the check, at trace time, that the format string's fields match the arguments.
     """
     if fmt is None:
         if args or kwargs:

@@ -109,8 +109,9 @@ def main() -> None:
     args = parser.parse_args()
 
     out_dir = tempfile.mkdtemp(prefix="collector-load-")
-    collector = subprocess.Popen([sys.executable, "-m", "hostcallback.consumer", "collect", "--port", "0",
-                                  "--out", out_dir], stdout=subprocess.PIPE, text=True)
+    collector = subprocess.Popen([sys.executable, "-m", "hostcallback.consumer", "collect",
+                                  "--port", "0", "--out", out_dir],
+                                 stdout=subprocess.PIPE, text=True)
     try:
         port = int(collector.stdout.readline().split(":")[1].split(",")[0])
         idle = rss_mib(collector.pid, "VmRSS")  # mostly imports (the CLI imports jax)
@@ -143,9 +144,11 @@ def main() -> None:
           f"{args.seconds:g} s, loopback, {os.cpu_count()} CPUs")
     print(f"  records written   {in_file:>12,}   ({sent:,} sent, {acknowledged:,} acknowledged)")
     print(f"  records/s         {in_file / elapsed:>12,.0f}")
-    print(f"  MB/s              {size / elapsed / 1e6:>12.1f}   ({size / in_file:.0f} bytes/record)")
+    print(f"  MB/s              {size / elapsed / 1e6:>12.1f}   "
+          f"({size / in_file:.0f} bytes/record)")
     print(f"  peak RSS          {peak:>12.1f} MiB (collector process; {idle:.1f} MiB before load)")
-    print(f"  check             {'exactly the acknowledged records' if in_file == acknowledged else 'MISMATCH'}")
+    exact = in_file == acknowledged
+    print(f"  check             {'exactly the acknowledged records' if exact else 'MISMATCH'}")
     print(f"  {final}")
     os.remove(path)
 

@@ -101,7 +101,7 @@ def main(argv=None) -> dict[str, tuple[float, float]]:
     if reference in best:
         print()
         added_tqdm = best[reference][1] - base_done
-        for name, (r, d) in best.items():
+        for name, (_, d) in best.items():
             if name.startswith("ours"):
                 added = d - base_done
                 ratio = added_tqdm / added if added > 0 else float("inf")

@@ -152,7 +152,8 @@ def main() -> int:
     if growth > args.max_growth_mib:
         failures.append(f"RSS grew {growth:.0f} MiB after minute 1 (bound {args.max_growth_mib})")
     print(f"soak: {steps} steps, {expected} records per stream, {collector.collector.counts()}; "
-          f"RSS growth after minute 1: {growth:+.0f} MiB; peak queued {peak_queued / 2**20:.1f} MiB")
+          f"RSS growth after minute 1: {growth:+.0f} MiB; "
+          f"peak queued {peak_queued / 2**20:.1f} MiB")
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))
         return 1

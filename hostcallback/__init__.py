@@ -1,4 +1,5 @@
-"""hostcallback: see values from inside jitted JAX code on the host, without Python on the device thread.
+"""hostcallback: see values from inside jitted JAX code on the host, without Python on the
+device thread.
 
 The public API, and nothing else. The "Architecture" document says how a tap travels.
 
@@ -21,19 +22,19 @@ from hostcallback.flavors import CallbackFlavor
 
 if TYPE_CHECKING:
     from hostcallback.api import (
-                                  barrier_wait,
-                                  call,
-                                  id_print,
-                                  id_tap,
-                                  io_callback,
-                                  pure_callback,
-                                  queue_stats,
-                                  stop_outfeed_receiver,
-                                  taps_delivered,
+        barrier_wait,
+        call,
+        id_print,
+        id_tap,
+        io_callback,
+        pure_callback,
+        queue_stats,
+        stop_outfeed_receiver,
+        taps_delivered,
     )
     from hostcallback.failures import CallbackException
-    from hostcallback.record_context import RecordContext, current_record
     from hostcallback.receiver import ReceiverStoppedError, reset_peak_bytes_queued
+    from hostcallback.record_context import RecordContext, current_record
 
 __version__ = "0.1.0"
 

@@ -1,8 +1,8 @@
 """The public tap API: validate what the user passed, flatten it, register a consumer, bind.
 
-The functions are thin on purpose; the primitive's rules (primitive.py, or portable.py) and the receivers
-(receiver.py) do the work. Every mistake a user can make here is answered at trace time with an
-error that names the argument and says what to do instead.
+The functions are thin on purpose; the primitive's rules (primitive.py, or portable.py) and the
+receivers (receiver.py) do the work. Every mistake a user can make here is answered at trace
+time with an error that names the argument and says what to do instead.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
            tap_with_device: bool = False, device_index: int = 0, ordered: bool | None = None,
            callback_flavor: CallbackFlavor | str | None = None, partitioned: bool = False,
            replays: str = "deliver", **kwargs: Any) -> Any:
-    """Sends ``arg`` to ``tap_func(arg, transforms)`` on the host and returns ``arg`` (or ``result``).
+    """Sends ``arg`` to ``tap_func(arg, transforms)`` on the host; returns ``arg`` (or ``result``).
 
     The device only copies the values into its outfeed queue and goes on; a receiver thread calls
     ``tap_func`` later, per device in the order the device produced the records. With
@@ -228,7 +228,7 @@ def id_print(arg: Any, *fmt_args: Any, result: Any = None, tap_with_device: bool
              ordered: bool | None = None, device_index: int = 0,
              callback_flavor: CallbackFlavor | str | None = None, partitioned: bool = False,
              replays: str = "deliver", **kwargs: Any) -> Any:
-    """Prints ``arg`` on the host (as ``id_tap`` would deliver it) and returns ``arg`` (or ``result``).
+    """Prints ``arg`` on the host (as ``id_tap`` would deliver it); returns ``arg`` (or ``result``).
 
     Keyword arguments become a first line of sorted ``key: value`` metadata, e.g.
     ``id_print(loss, what="loss")`` prints ``what: loss`` and then the value. The other
@@ -410,7 +410,8 @@ def _call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any,
           vmap_method: str | None = None, jax_api: str = "") -> Any:
     """call(), for call itself and for the functions with JAX's signatures (``jax_api``)."""
     if not callable(callback_func):
-        raise TypeError(f"call() needs a callable callback_func, got {type(callback_func).__name__}")
+        raise TypeError(
+            f"call() needs a callable callback_func, got {type(callback_func).__name__}")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if not isinstance(callback_func, _CallWithArgs):

@@ -1,4 +1,5 @@
-"""Settings of hostcallback: each from a keyword, else a ``HOSTCALLBACK_*`` variable, else a default.
+"""Settings of hostcallback: each from a keyword, else a ``HOSTCALLBACK_*`` variable, else a
+default.
 
 This module only holds values; it never starts threads or touches devices.
 """
@@ -77,7 +78,8 @@ class Settings:
     transport: str | None = dataclasses.field(default_factory=_env_transport)
     # Default of the taps' ``ordered`` keyword: strict program order across loops, branches and
     # calls, at the price of JAX's slower dispatch for computations that hold such taps.
-    ordered: bool = dataclasses.field(default_factory=lambda: env_bool("HOSTCALLBACK_ORDERED", False))
+    ordered: bool = dataclasses.field(
+        default_factory=lambda: env_bool("HOSTCALLBACK_ORDERED", False))
     # When a computation's results are ready: once its taps were handled, or at once ("async").
     delivery: str = dataclasses.field(default_factory=_env_delivery)
     # Byte budget of each device's outfeed queue; a full queue makes the device wait.

@@ -22,8 +22,7 @@ import jax
 
 from hostcallback import _jax as jx
 from hostcallback import keep_taps, sharded_lowering
-from hostcallback._jax import patches
-from hostcallback._jax import ad, batching, ir, mlir
+from hostcallback._jax import ad, batching, ir, mlir, patches
 from hostcallback.flavors import VMAP_METHODS, CallbackFlavor
 from hostcallback.program_order import ordered_tap_effect, program_order_effect
 from hostcallback.registry import registry

@@ -67,8 +67,9 @@ def format_metadata(metadata: dict[str, Any], transforms: tuple, device: Any = N
     return " ".join(f"{key}: {value}" for key, value in sorted(fields.items()))
 
 
-def print_tap(arg: Any, transforms: tuple, *, device: Any = None, output_stream: TextIO | None = None,
-              threshold: int | None = None, **metadata: Any) -> None:
+def print_tap(arg: Any, transforms: tuple, *, device: Any = None,
+              output_stream: TextIO | None = None, threshold: int | None = None,
+              **metadata: Any) -> None:
     """The consumer behind id_print; writes one block of text per tap."""
     stream = output_stream if output_stream is not None else sys.stdout
     header = format_metadata(metadata, transforms, device)

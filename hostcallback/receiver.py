@@ -111,7 +111,8 @@ FORKED = ("hostcallback's receivers were started in the process this one is a fo
 
 
 class ReceiverStoppedError(RuntimeError):
-    """The receivers were stopped with stop_outfeed_receiver(); taps cannot be delivered any more."""
+    """The receivers were stopped (stop_outfeed_receiver(), or a fork): taps cannot be delivered
+    any more."""
 
 
 class ReceiverPool:

@@ -60,8 +60,9 @@ def result_leaves(consumer: Consumer, result: Any) -> list[np.ndarray]:
     canonicalisation of its dtype is the declared one (with x64 off numpy's float64 becomes
     float32, int64 int32, complex128 complex64), as legacy ``call`` and ``jax.pure_callback`` do;
     any other dtype is an error. The result's leaves are matched in order, whatever containers
-    hold them, as JAX matches them (a list where a tuple is declared). Whether x64 is on is what it was where the call was traced (a
-    receiver thread does not see ``jax.enable_x64`` contexts). A call without results drops what
+    hold them, as JAX matches them (a list where a tuple is declared). Whether x64 is on is what
+    it was where the call was traced (a receiver thread does not see ``jax.enable_x64``
+    contexts). A call without results drops what
     its function returns, and says so once per call site when that is not None.
     """
     if not consumer.result_avals:

@@ -20,7 +20,8 @@ from hostcallback._native import outfeed
 MAGIC = outfeed.WIRE_MAGIC  # the bytes b"HCB1"
 VERSION = outfeed.WIRE_VERSION
 ALIGNMENT = outfeed.WIRE_ALIGNMENT
-FIXED_HEADER = struct.Struct("<IHHQIIQIIQ")  # magic version flags consumer device count seq hdr rsv size
+# magic version flags consumer device count seq hdr rsv size
+FIXED_HEADER = struct.Struct("<IHHQIIQIIQ")
 DESCRIPTOR = struct.Struct("<BBHIQ")  # dtype reserved ndim reserved byte_size, then int64 dims
 FLAG_EXPECTS_RESPONSE = outfeed.FLAG_EXPECTS_RESPONSE  # a `call`: the device waits for the answer
 # A tap or call made from Python: its arrays (and a call's answer) are handed over there
@@ -113,17 +114,20 @@ def decode_record(buffer) -> Record:
     data = np.frombuffer(buffer, dtype=np.uint8)
     size = data.size
     if size < FIXED_HEADER.size:
-        raise WireFormatError(f"record of {size} bytes is shorter than the {FIXED_HEADER.size}-byte header")
+        raise WireFormatError(
+            f"record of {size} bytes is shorter than the {FIXED_HEADER.size}-byte header")
     (magic, version, flags, consumer_id, device, count, sequence, header_size, _reserved,
      record_size) = FIXED_HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         raise WireFormatError(f"bad magic {magic:#x}; expected {MAGIC:#x} (b'HCB1')")
     if version != VERSION:
-        raise WireFormatError(f"wire version {version} is not supported (this reader knows {VERSION})")
+        raise WireFormatError(
+            f"wire version {version} is not supported (this reader knows {VERSION})")
     if record_size != size:
         raise WireFormatError(f"record says it has {record_size} bytes but {size} were given")
     if header_size > size or header_size % ALIGNMENT:
-        raise WireFormatError(f"header size {header_size} is not a 64-byte multiple within the record")
+        raise WireFormatError(
+            f"header size {header_size} is not a 64-byte multiple within the record")
     # Each descriptor takes at least DESCRIPTOR.size bytes, which bounds the count before any loop.
     if count > (header_size - FIXED_HEADER.size) // DESCRIPTOR.size:
         raise WireFormatError(f"{count} arrays cannot fit in a {header_size}-byte header")
@@ -149,7 +153,8 @@ def decode_record(buffer) -> Record:
             raise WireFormatError(f"array {index} ({byte_size} bytes) runs past the record end")
         elements = byte_size // dtype.itemsize
         if elements * dtype.itemsize != byte_size or int(np.prod(dims, dtype=object)) != elements:
-            raise WireFormatError(f"array {index}: {byte_size} bytes do not hold {dtype}{list(dims)}")
+            raise WireFormatError(
+                f"array {index}: {byte_size} bytes do not hold {dtype}{list(dims)}")
         view = data[offset:offset + byte_size].view(dtype).reshape(dims)
         view.flags.writeable = False
         arrays.append(view)
@@ -167,8 +172,8 @@ def encode_record(consumer_id: int, device: int, sequence: int, arrays, flags: i
         size = _align(size) + a.nbytes
     size = _align(max(size, ALIGNMENT))
     out = bytearray(size)
-    FIXED_HEADER.pack_into(out, 0, MAGIC, VERSION, flags, consumer_id, device, len(arrays), sequence,
-                           header_size, 0, size)
+    FIXED_HEADER.pack_into(out, 0, MAGIC, VERSION, flags, consumer_id, device, len(arrays),
+                           sequence, header_size, 0, size)
     at, offset = FIXED_HEADER.size, header_size
     for a in arrays:
         DESCRIPTOR.pack_into(out, at, dtype_code(a.dtype), 0, a.ndim, 0, a.nbytes)

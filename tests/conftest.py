@@ -11,8 +11,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=4").strip()
 
 import pytest
-from helpers import TRANSPORTS, Collector
 
+from helpers import TRANSPORTS, Collector
 from hostcallback import _jax, config
 
 

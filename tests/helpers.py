@@ -112,7 +112,7 @@ def run_jax_processes(worker: Path, *args: str, transport: str) -> list[str]:
                 w.send_signal(signal.SIGABRT)
         outputs = [w.communicate(timeout=30)[0] for w in workers]
         raise AssertionError("the workers did not finish within 200 s; their output, with "
-                             "the stacks of those stopped:\n" + "\n".join(outputs))
+                             "the stacks of those stopped:\n" + "\n".join(outputs)) from None
     finally:
         for w in workers:
             if w.poll() is None:

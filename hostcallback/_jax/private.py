@@ -11,28 +11,32 @@ import contextlib
 import dataclasses
 import inspect
 
-import jax
-
-# Effects: an effect type of our own must join JAX's effect sets to be lowered, ordered, and
-# allowed in control flow, custom derivatives and remat; only the private module has the sets.
-from jax._src import effects
-# A token type, a clean-trace check, sub-jaxprs and jaxpr evaluation for our rules.
-from jax._src import core as _core
-# The axis contexts that tell a lowering rule whether it runs per device, partitioned or not.
-from jax._src import sharding_impls as _sharding
-# Running a primitive eagerly, and marking one that needs its devices while it lowers.
-from jax._src import dispatch as _dispatch
-# DCE and remat rule tables, and the remat policy's enum (public partial_eval lacks the enum).
-from jax._src.interpreters import partial_eval as pe
-# The computation-wide lowering entry we wrap (patches.py), and nothing else from there.
-from jax._src.interpreters import pxla
-# set_sharding, ir_consts, jaxpr_subcomp and the lowering table: not in jax.interpreters.mlir.
-from jax._src.interpreters import mlir as _mlir
 # JAX's own host-callback lowering: the callback transport rides on it.
 from jax._src import callback as _callback
 from jax._src import config as _config  # the partitioner and constants flags, the context mesh
+
+# A token type, a clean-trace check, sub-jaxprs and jaxpr evaluation for our rules.
+from jax._src import core as _core
+
+# Running a primitive eagerly, and marking one that needs its devices while it lowers.
+from jax._src import dispatch as _dispatch
+
+# Effects: an effect type of our own must join JAX's effect sets to be lowered, ordered, and
+# allowed in control flow, custom derivatives and remat; only the private module has the sets.
+from jax._src import effects, source_info_util, util  # building an equation; split_list
 from jax._src import mesh as _mesh  # setting the user's abstract mesh aside
-from jax._src import source_info_util, util  # building an equation; split_list
+
+# The axis contexts that tell a lowering rule whether it runs per device, partitioned or not.
+from jax._src import sharding_impls as _sharding
+
+# set_sharding, ir_consts, jaxpr_subcomp and the lowering table: not in jax.interpreters.mlir.
+from jax._src.interpreters import mlir as _mlir
+
+# DCE and remat rule tables, and the remat policy's enum (public partial_eval lacks the enum).
+from jax._src.interpreters import partial_eval as pe
+
+# The computation-wide lowering entry we wrap (patches.py), and nothing else from there.
+from jax._src.interpreters import pxla
 from jax._src.lib import xla_client as _xla_client  # GSPMD's OpSharding
 
 abstract_token = _core.abstract_token
@@ -168,7 +172,8 @@ __all__ = [
     "OpSharding", "PYTHON_CALLBACK_TARGETS", "SPMDAxisContext", "SdyArray", "SdyArrayList",
     "SdyDim", "ShardingContext", "abstract_token", "add_host_callback", "apply_primitive",
     "effects", "emit_python_callback", "eval_jaxpr", "ir_consts", "jaxprs_in_params",
-    "lower_jaxpr", "lowering_for_export", "manual_sharding", "new_jaxpr_eqn", "new_source_info", "no_effects",
+    "lower_jaxpr", "lowering_for_export", "manual_sharding", "new_jaxpr_eqn", "new_source_info",
+    "no_effects",
     "outside_abstract_mesh", "pe", "pxla", "set_sharding", "shardy_enabled",
     "simplified_jaxpr_constants", "split_list", "trace_state_clean", "without_context_mesh",
 ]

@@ -83,8 +83,8 @@ PoolStats BufferPool::Stats() {
   PoolStats s;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    s.pooled_bytes = pooled_bytes_, s.in_use_bytes = in_use_bytes_ + outside_bytes_,
-    s.hits = hits_, s.misses = misses_;
+    s.pooled_bytes = pooled_bytes_, s.in_use_bytes = in_use_bytes_ + outside_bytes_, s.hits = hits_,
+    s.misses = misses_;
   }
   s.records_held = g_records_held.load(std::memory_order_relaxed);
   return s;

@@ -45,7 +45,7 @@ struct PoolStats {
 class BufferPool {
  public:
   static constexpr size_t kSizeClassesFrom = 64 << 10;
-  static constexpr uint64_t kSmallShare = 8;  // small buffers pooled: at most cap / kSmallShare
+  static constexpr uint64_t kSmallShare = 8;     // small buffers pooled: at most cap / kSmallShare
   static constexpr size_t kPrefetchBytes = 256;  // free buffers up to this size are prefetched
 
   // The size class a request of `size` bytes is served from (size itself below 64 KiB).

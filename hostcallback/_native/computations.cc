@@ -21,11 +21,10 @@ void Forget(RunningComputations* computations, uint32_t id_low_bits) {
 
 // Drops this thread's entries of computations that ended elsewhere or were abandoned.
 void Prune() {
-  t_running.erase(std::remove_if(t_running.begin(), t_running.end(),
-                                 [](const auto& entry) {
-                                   return !entry.first->IsRunning(entry.second);
-                                 }),
-                  t_running.end());
+  t_running.erase(
+      std::remove_if(t_running.begin(), t_running.end(),
+                     [](const auto& entry) { return !entry.first->IsRunning(entry.second); }),
+      t_running.end());
 }
 }  // namespace
 

@@ -41,7 +41,6 @@ class RunningComputations {
   std::set<uint64_t> running_;
   std::chrono::steady_clock::time_point last_end_{};
   bool ended_any_ = false;
-
 };
 
 // A handler failed the computation this thread runs: the innermost one this thread began that

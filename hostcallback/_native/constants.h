@@ -34,7 +34,7 @@ inline constexpr uint16_t kFlagExpectsResponse = 1;  // a `call`: the device wai
 // arrays, which are handed over in Python without a copy, as a call's answer is
 // (hostcallback/handover.py).
 inline constexpr uint16_t kFlagHandedOverInPython = 2;
-inline constexpr uint64_t kBarrierMarkerId = 0;      // the consumer id of a barrier marker
+inline constexpr uint64_t kBarrierMarkerId = 0;  // the consumer id of a barrier marker
 
 // ---- a decoded record: positions in the tuples drain() builds (hostcallback/record_layout.py) --
 

@@ -98,7 +98,7 @@ int64_t DeviceQueue::Push(Record record, bool expects_response, bool urgent, dou
   const bool others_wait = stats_.producers_waiting > 0;
   if (wake) stats_.receiver_wakeups += 1;
   lock.unlock();
-  if (wake) not_empty_.notify_all();  // one receiver per queue: all is one
+  if (wake) not_empty_.notify_all();        // one receiver per queue: all is one
   if (others_wait) not_full_.notify_all();  // the next in line may fit now
   return static_cast<int64_t>(sequence);
 }
@@ -188,13 +188,15 @@ namespace {
 void SayReleasedOnce(double patience_s) {
   static std::atomic<bool> said{false};
   if (said.exchange(true)) return;
-  std::fprintf(stderr, "hostcallback: a device's receiver has been running one consumer for %g "
+  std::fprintf(stderr,
+               "hostcallback: a device's receiver has been running one consumer for %g "
                "s: a computation waiting for its taps to be handled goes on without them (they "
                "follow once the consumer returns), in case the consumer waits for that "
                "computation's results. queue_stats() counts such computations as "
                "fences_released. A consumer that runs JAX work should do it on a thread of its "
                "own, or the computations it waits for should be compiled with "
-               "hostcallback.configure(delivery=\"async\").\n", patience_s);
+               "hostcallback.configure(delivery=\"async\").\n",
+               patience_s);
   std::fflush(stderr);
 }
 }  // namespace
@@ -444,8 +446,7 @@ void SetQueueBudget(uint64_t max_queue_bytes) {
 // ---- joining a queue --------------------------------------------------------------------------
 
 int64_t Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
-                uint16_t flags, double timeout_s, xla::ffi::ThreadPool* pool,
-                uint64_t held_bytes) {
+                uint16_t flags, double timeout_s, xla::ffi::ThreadPool* pool, uint64_t held_bytes) {
   if (InForkedChild()) return DeviceQueue::kForked;
   Record record = EncodeRecord(consumer_id, static_cast<uint32_t>(device), arrays, flags, pool);
   record.held_bytes = held_bytes;

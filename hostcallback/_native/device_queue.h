@@ -25,10 +25,10 @@ struct QueueStats {
   uint64_t bytes_queued = 0, peak_bytes_queued = 0;
   uint64_t waits = 0, wait_ns = 0;
   uint64_t producers_waiting = 0;
-  uint64_t batches = 0;  // non-empty drains: records_delivered / batches is the mean batch
+  uint64_t batches = 0;           // non-empty drains: records_delivered / batches is the mean batch
   uint64_t receiver_wakeups = 0;  // times a producer woke the receiver (a syscall on its thread)
   uint64_t receivers_waiting = 0;  // drains waiting on the queue now, GIL released
-  uint64_t fences_waiting = 0;  // computations waiting at their end for their taps to be handled
+  uint64_t fences_waiting = 0;     // computations waiting at their end for their taps to be handled
   uint64_t fence_waits = 0, fence_wait_ns = 0;  // such waits (a fence that found its taps
                                                 // handled already does not wait), and how long
   uint64_t fences_released = 0;  // waits that AwaitTaps ended on a receiver stuck in a batch
@@ -88,12 +88,19 @@ class DeviceQueue {
   // kInterrupted: a signal handler raised while the main thread waited (interrupts.h).
   // kForked: as for Push.
   enum class Handled {
-    kYes, kStopped, kFailed, kTimedOut, kOwnReceiver, kReleased, kInterrupted, kForked
+    kYes,
+    kStopped,
+    kFailed,
+    kTimedOut,
+    kOwnReceiver,
+    kReleased,
+    kInterrupted,
+    kForked
   };
 
   explicit DeviceQueue(int device_id) : device(device_id) {}
 
-  const int device;  // the id it is keyed by (with its platform)
+  const int device;                  // the id it is keyed by (with its platform)
   RunningComputations computations;  // the tapped computations running on this device now
 
   // Returns the record's sequence number, kClosed when the queue was closed (receiver stopped)
@@ -203,7 +210,7 @@ class DeviceQueue {
   uint64_t handed_out_ = 0, handled_ = 0, taps_below_ = 0;
   size_t fences_waiting_ = 0;
   std::atomic<uint64_t> handled_published_{0};  // handled_, for a fence that spins unlocked
-  std::atomic<uint64_t> stuck_batch_{0};  // the last batch AwaitTaps found stuck
+  std::atomic<uint64_t> stuck_batch_{0};        // the last batch AwaitTaps found stuck
   uint64_t batches_handed_out_ = 0;
   bool delivering_ = false;
   std::chrono::steady_clock::time_point batch_began_{};
@@ -259,9 +266,9 @@ inline constexpr char kForkedMessage[] =
 // ---- joining a queue --------------------------------------------------------------------------
 
 // The record's sequence number, or DeviceQueue::kClosed, kTimedOut (WhyNotEnqueued says why: no
-// message is built for a tap that went in) or kDroppedAtExit (a tap: not an error). timeout_s bounds the wait for room (a
-// `call`'s timeout; 0: forever). Throws bad_alloc when the record cannot be allocated; the
-// record never leaks. held_bytes: see Record.
+// message is built for a tap that went in) or kDroppedAtExit (a tap: not an error). timeout_s
+// bounds the wait for room (a `call`'s timeout; 0: forever). Throws bad_alloc when the record
+// cannot be allocated; the record never leaks. held_bytes: see Record.
 int64_t Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
                 uint16_t flags = 0, double timeout_s = 0, xla::ffi::ThreadPool* pool = nullptr,
                 uint64_t held_bytes = 0);

@@ -129,20 +129,22 @@ ffi::Error TapImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consum
 // hands out the computation's id (its low 32 bits) for the fence to end it with.
 ffi::Error BeginImpl(int32_t device_ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   (void)args;  // only the token that orders it
-  return Guarded([&]() -> ffi::Error {
-    uint32_t id = 0;
-    if (device_ordinal >= 0) {
-      DeviceQueue* queue = NativeQueueFor(device_ordinal);
-      id = static_cast<uint32_t>(queue->computations.Begin());
-    }
-    for (size_t i = 0; i < rets.size(); ++i) {
-      ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
-      if (!ret.has_value()) return ret.error();
-      ffi::AnyBuffer out = *ret.value();
-      if (out.element_type() == ffi::DataType::U32) std::memcpy(out.untyped_data(), &id, 4);
-    }
-    return ffi::Error::Success();
-  }, /*ends_on_failure=*/false);
+  return Guarded(
+      [&]() -> ffi::Error {
+        uint32_t id = 0;
+        if (device_ordinal >= 0) {
+          DeviceQueue* queue = NativeQueueFor(device_ordinal);
+          id = static_cast<uint32_t>(queue->computations.Begin());
+        }
+        for (size_t i = 0; i < rets.size(); ++i) {
+          ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
+          if (!ret.has_value()) return ret.error();
+          ffi::AnyBuffer out = *ret.value();
+          if (out.element_type() == ffi::DataType::U32) std::memcpy(out.untyped_data(), &id, 4);
+        }
+        return ffi::Error::Success();
+      },
+      /*ends_on_failure=*/false);
 }
 
 // The end of a tapped computation, after its taps (their tokens): waits until the device's
@@ -150,22 +152,24 @@ ffi::Error BeginImpl(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
 // only once its taps were handled; then ends the computation its begin's id names.
 ffi::Error FenceImpl(int32_t device_ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   (void)rets;  // only a token
-  return Guarded([&]() -> ffi::Error {
-    if (device_ordinal < 0) return ffi::Error::Success();
-    DeviceQueue* queue = NativeQueueFor(device_ordinal);
-    bool has_id = false;
-    uint32_t id = 0;
-    for (size_t i = 0; i < args.size() && !has_id; ++i) {
-      ffi::ErrorOr<ffi::AnyBuffer> arg = args.get<ffi::AnyBuffer>(i);
-      if (!arg.has_value()) return arg.error();
-      if (arg.value().element_type() != ffi::DataType::U32) continue;
-      std::memcpy(&id, arg.value().untyped_data(), sizeof(id));
-      has_id = true;  // (the first uint32 operand; the weight follows it)
-    }
-    ffi::Error handled = AwaitTapsHandled(queue);
-    if (has_id) queue->computations.End(id);
-    return handled;
-  }, /*ends_on_failure=*/false);
+  return Guarded(
+      [&]() -> ffi::Error {
+        if (device_ordinal < 0) return ffi::Error::Success();
+        DeviceQueue* queue = NativeQueueFor(device_ordinal);
+        bool has_id = false;
+        uint32_t id = 0;
+        for (size_t i = 0; i < args.size() && !has_id; ++i) {
+          ffi::ErrorOr<ffi::AnyBuffer> arg = args.get<ffi::AnyBuffer>(i);
+          if (!arg.has_value()) return arg.error();
+          if (arg.value().element_type() != ffi::DataType::U32) continue;
+          std::memcpy(&id, arg.value().untyped_data(), sizeof(id));
+          has_id = true;  // (the first uint32 operand; the weight follows it)
+        }
+        ffi::Error handled = AwaitTapsHandled(queue);
+        if (has_id) queue->computations.End(id);
+        return handled;
+      },
+      /*ends_on_failure=*/false);
 }
 
 // Why a shared call failed: written by the calling device under a failure id of its own, which
@@ -224,8 +228,10 @@ ffi::Error ZeroOutputs(ffi::RemainingRets& rets) {
 // the collective that follows, and where XLA's CPU client left a device out of a collective, XLA
 // ends the process after its own rendezvous limit (40 s) before the error reaches Python.
 void ReportSharedTimeout(const std::string& problem) {
-  std::fprintf(stderr, "%s (a call shared over the devices of a sharded computation; every "
-               "device fails with this error)\n", problem.c_str());
+  std::fprintf(stderr,
+               "%s (a call shared over the devices of a sharded computation; every "
+               "device fails with this error)\n",
+               problem.c_str());
   std::fflush(stderr);
 }
 
@@ -349,26 +355,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackCall, CallImpl,
                                   .RemainingArgs()
                                   .RemainingRets());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackCheck, CheckImpl,
-                              ffi::Ffi::Bind()
-                                  .Attr<uint64_t>("consumer_id")
-                                  .RemainingArgs()
-                                  .RemainingRets());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    HostcallbackCheck, CheckImpl,
+    ffi::Ffi::Bind().Attr<uint64_t>("consumer_id").RemainingArgs().RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackTap, TapImpl<false>, TapBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackTapHandled, TapImpl<true>, TapBinding());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackBegin, BeginImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .RemainingArgs()
-                                  .RemainingRets());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    HostcallbackBegin, BeginImpl,
+    ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>().RemainingArgs().RemainingRets());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackFence, FenceImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .RemainingArgs()
-                                  .RemainingRets());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    HostcallbackFence, FenceImpl,
+    ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>().RemainingArgs().RemainingRets());
 
 }  // namespace hostcallback

@@ -11,6 +11,7 @@
 // written.
 
 #include "numpy_api.h"  // first: before any other NumPy header
+
 #include "frames.h"
 
 #include <algorithm>
@@ -120,15 +121,35 @@ size_t PackStep(uint8_t* out, const uint8_t* at, char kind, size_t size) {
   if (kind == 'u') {
     uint64_t v = 0;
     if (size == 1) v = at[0];
-    if (size == 2) { uint16_t x; std::memcpy(&x, at, 2); v = x; }
-    if (size == 4) { uint32_t x; std::memcpy(&x, at, 4); v = x; }
+    if (size == 2) {
+      uint16_t x;
+      std::memcpy(&x, at, 2);
+      v = x;
+    }
+    if (size == 4) {
+      uint32_t x;
+      std::memcpy(&x, at, 4);
+      v = x;
+    }
     if (size == 8) std::memcpy(&v, at, 8);
     return PackUnsigned(out, v);
   }
   int64_t v = 0;
-  if (size == 1) { int8_t x; std::memcpy(&x, at, 1); v = x; }
-  if (size == 2) { int16_t x; std::memcpy(&x, at, 2); v = x; }
-  if (size == 4) { int32_t x; std::memcpy(&x, at, 4); v = x; }
+  if (size == 1) {
+    int8_t x;
+    std::memcpy(&x, at, 1);
+    v = x;
+  }
+  if (size == 2) {
+    int16_t x;
+    std::memcpy(&x, at, 2);
+    v = x;
+  }
+  if (size == 4) {
+    int32_t x;
+    std::memcpy(&x, at, 4);
+    v = x;
+  }
   if (size == 8) std::memcpy(&v, at, 8);
   return PackSigned(out, v);
 }
@@ -247,7 +268,8 @@ nb::list FrameRecords(nb::list records, size_t start, size_t stop,
       data[i] = LeafData(held[i].ptr(), specs[i]);
     }
     // Sized for the longest numbers, then cut to what was written.
-    nb::object frame = nb::steal(PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(fixed)));
+    nb::object frame =
+        nb::steal(PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(fixed)));
     if (!frame.is_valid()) throw nb::python_error();
     uint8_t* const begin = reinterpret_cast<uint8_t*>(PyBytes_AS_STRING(frame.ptr()));
     const double time = now < 0 ? WallClockSeconds() : now;
@@ -303,9 +325,12 @@ void DefineFrameFunctions(nb::module_& m) {
         "Record-stream frames (a list of bytes) for drained records[start:stop] of one tap "
         "site and device, from hostcallback.consumer.frame_templates.FrameTemplate's pieces; a "
         "ValueError for a record whose arrays do not have the template's dtypes and shapes.");
-  m.def("crc32", [](nb::bytes data) {
-    return Crc32(reinterpret_cast<const uint8_t*>(data.c_str()), data.size());
-  }, nb::arg("data"), "CRC-32 as zlib.crc32 computes it (for tests).");
+  m.def(
+      "crc32",
+      [](nb::bytes data) {
+        return Crc32(reinterpret_cast<const uint8_t*>(data.c_str()), data.size());
+      },
+      nb::arg("data"), "CRC-32 as zlib.crc32 computes it (for tests).");
 }
 
 }  // namespace hostcallback

@@ -57,8 +57,7 @@ std::string CheckSignals() {
     const bool keyboard =
         raised != nullptr && PyErr_GivenExceptionMatches(raised, PyExc_KeyboardInterrupt);
     why = std::string("interrupted (") +
-          (raised != nullptr ? reinterpret_cast<PyTypeObject*>(raised)->tp_name : "a signal") +
-          ")";
+          (raised != nullptr ? reinterpret_cast<PyTypeObject*>(raised)->tp_name : "a signal") + ")";
     PyErr_Clear();
     if (keyboard) PyErr_SetInterruptEx(SIGINT);
   }

@@ -62,9 +62,9 @@
 #include "nanobind/stl/vector.h"
 #include "numpy_records.h"
 #include "record.h"
-#include "xla/ffi/api/c_api.h"
 #include "responses.h"
 #include "timeouts.h"
+#include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
 
@@ -186,10 +186,10 @@ Response CallFromPython(int device, uint64_t consumer_id, const HostLeaves& leav
 }
 
 // The callback transport's `call`, answered in bytes: one uint8 array per result leaf.
-nb::list CallFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves,
-                      double timeout_s, const std::string& platform) {
-  Response response = CallFromPython(device, consumer_id, leaves, timeout_s, platform,
-                                     kFlagExpectsResponse);
+nb::list CallFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves, double timeout_s,
+                      const std::string& platform) {
+  Response response =
+      CallFromPython(device, consumer_id, leaves, timeout_s, platform, kFlagExpectsResponse);
   nb::list out;
   for (std::vector<uint8_t>& result : response.results) {
     out.append(OwningArray(std::move(result)));
@@ -262,14 +262,22 @@ std::string AwaitHandledFromPython(int device, double timeout_s, const std::stri
     handled = queue->WaitHandled(timeout_s);
   }
   switch (handled) {
-    case DeviceQueue::Handled::kYes: return "handled";
-    case DeviceQueue::Handled::kStopped: return "stopped";
-    case DeviceQueue::Handled::kFailed: return "failed";
-    case DeviceQueue::Handled::kTimedOut: return "timed out";
-    case DeviceQueue::Handled::kOwnReceiver: return "own receiver";
-    case DeviceQueue::Handled::kReleased: return "released";
-    case DeviceQueue::Handled::kInterrupted: return "interrupted";
-    case DeviceQueue::Handled::kForked: return "forked";
+    case DeviceQueue::Handled::kYes:
+      return "handled";
+    case DeviceQueue::Handled::kStopped:
+      return "stopped";
+    case DeviceQueue::Handled::kFailed:
+      return "failed";
+    case DeviceQueue::Handled::kTimedOut:
+      return "timed out";
+    case DeviceQueue::Handled::kOwnReceiver:
+      return "own receiver";
+    case DeviceQueue::Handled::kReleased:
+      return "released";
+    case DeviceQueue::Handled::kInterrupted:
+      return "interrupted";
+    case DeviceQueue::Handled::kForked:
+      return "forked";
   }
   return "handled";
 }
@@ -340,8 +348,7 @@ void DefineModule(nb::module_& m) {
     d["hostcallback_tap"] = nb::capsule(reinterpret_cast<void*>(HostcallbackTap));
     d["hostcallback_call"] = nb::capsule(reinterpret_cast<void*>(HostcallbackCall));
     d["hostcallback_check"] = nb::capsule(reinterpret_cast<void*>(HostcallbackCheck));
-    d["hostcallback_tap_handled"] =
-        nb::capsule(reinterpret_cast<void*>(HostcallbackTapHandled));
+    d["hostcallback_tap_handled"] = nb::capsule(reinterpret_cast<void*>(HostcallbackTapHandled));
     d["hostcallback_begin"] = nb::capsule(reinterpret_cast<void*>(HostcallbackBegin));
     d["hostcallback_fence"] = nb::capsule(reinterpret_cast<void*>(HostcallbackFence));
     return d;
@@ -383,10 +390,13 @@ void DefineModule(nb::module_& m) {
         nb::arg("platform") = kNativePlatform,
         "The receiver's answer to a call record: one uint8 array per result leaf. True if the "
         "call still waited for it, False if it was dropped (the call timed out or was stopped).");
-  m.def("call_waiting", [](int device, uint64_t sequence, const std::string& platform) {
-          return g_responses.Waiting({CheckedQueue(platform, device), sequence});
-        }, nb::arg("device"), nb::arg("sequence"), nb::arg("platform") = kNativePlatform,
-        "Whether the call record's caller still waits for its answer (it may have timed out).");
+  m.def(
+      "call_waiting",
+      [](int device, uint64_t sequence, const std::string& platform) {
+        return g_responses.Waiting({CheckedQueue(platform, device), sequence});
+      },
+      nb::arg("device"), nb::arg("sequence"), nb::arg("platform") = kNativePlatform,
+      "Whether the call record's caller still waits for its answer (it may have timed out).");
   m.def("respond_error", &RespondError, nb::arg("device"), nb::arg("sequence"), nb::arg("message"),
         nb::arg("platform") = kNativePlatform, "Fails the waiting call with this message.");
   m.def("stats", &StatsOf, nb::arg("device"), nb::arg("platform") = kNativePlatform);
@@ -395,18 +405,22 @@ void DefineModule(nb::module_& m) {
         "Waits (GIL released) up to timeout_s (0 or inf: forever) until the device's receiver has "
         "handled every record enqueued so far; returns 'handled', 'stopped', 'failed', "
         "'timed out' or 'own receiver' (called on that receiver while it delivers: no wait).");
-  m.def("await_taps", &AwaitTapsFromPython, nb::arg("device"), nb::arg("platform") = kNativePlatform,
+  m.def("await_taps", &AwaitTapsFromPython, nb::arg("device"),
+        nb::arg("platform") = kNativePlatform,
         "Waits (GIL released) as a fence does until the device's receiver has handled every tap "
         "enqueued so far, or has been stuck in one batch for 5 s; returns why the queue failed, "
         "or '' .");
   m.def("computation_failed", &EndFailedOnThisThread,
         "Called on XLA's thread by a host callback of ours that fails its computation: the "
         "tapped computation this thread runs ends now (its fence will not run).");
-  m.def("abandon_computations", [](int device, uint64_t before_id, const std::string& platform) {
-          return CheckedQueue(platform, device)->computations.Abandon(before_id);
-        }, nb::arg("device"), nb::arg("before_id"), nb::arg("platform") = kNativePlatform,
-        "Forgets the computations begun before before_id that are still running (they failed "
-        "where no handler of ours saw it); returns how many.");
+  m.def(
+      "abandon_computations",
+      [](int device, uint64_t before_id, const std::string& platform) {
+        return CheckedQueue(platform, device)->computations.Abandon(before_id);
+      },
+      nb::arg("device"), nb::arg("before_id"), nb::arg("platform") = kNativePlatform,
+      "Forgets the computations begun before before_id that are still running (they failed "
+      "where no handler of ours saw it); returns how many.");
   m.def("computations", &ComputationsOf, nb::arg("device"), nb::arg("platform") = kNativePlatform,
         "The tapped computations of one device: begun (ids handed out), oldest_running (begun "
         "when none runs), running, seconds_since_end (-1 before the first ends).");
@@ -429,8 +443,9 @@ void DefineModule(nb::module_& m) {
         "there yet) so that Ctrl-C ends a wait of the main thread for the host at once.");
   m.def("set_max_queue_bytes", &SetMaxQueueBytes, nb::arg("max_queue_bytes"));
   m.def("max_queue_bytes", []() { return g_max_queue_bytes.load(); });
-  m.def("pooled_bytes", []() { return g_pool.PooledBytes(); },
-        "Bytes of free record buffers kept for reuse.");
+  m.def(
+      "pooled_bytes", []() { return g_pool.PooledBytes(); },
+      "Bytes of free record buffers kept for reuse.");
   m.def("pool_stats", &PoolStatsDict,
         "The buffer pool: pooled_bytes (free), in_use_bytes, hits and misses, records_held. "
         "in_use_bytes includes small records a receiver released since its last drain.");

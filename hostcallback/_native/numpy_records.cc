@@ -1,8 +1,8 @@
 // Turns drained records into Python objects (zero-copy, read-only numpy views made with the
 // NumPy C API from cached dtype objects) and checks host arrays on their way into a record.
 
-#include "numpy_api.h"  // first: before any other NumPy header
 #include "numpy_records.h"
+#include "numpy_api.h"  // first: before any other NumPy header
 
 #include <algorithm>
 #include <climits>
@@ -197,10 +197,10 @@ nb::tuple DecodeRecords(std::vector<Record>& records, std::vector<uint64_t>& mar
       static_assert(kRecordConsumerId == 0 && kRecordDeviceId == 1 && kRecordSequence == 2 &&
                         kRecordFlags == 3 && kRecordLeaves == 4 && kRecordFields == 5,
                     "the fields below are made in the order constants.h gives");
-      nb::tuple record = nb::make_tuple(
-          Get<uint64_t>(r.data + kConsumerIdOffset), Get<uint32_t>(r.data + kDeviceOffset),
-          Get<uint64_t>(r.data + kSequenceOffset), Get<uint16_t>(r.data + kFlagsOffset),
-          std::move(arrays));
+      nb::tuple record = nb::make_tuple(Get<uint64_t>(r.data + kConsumerIdOffset),
+                                        Get<uint32_t>(r.data + kDeviceOffset),
+                                        Get<uint64_t>(r.data + kSequenceOffset),
+                                        Get<uint16_t>(r.data + kFlagsOffset), std::move(arrays));
       UntrackFromGc(record.ptr());
       out.append(std::move(record));
     }
@@ -247,8 +247,8 @@ std::vector<ArrayView> ViewsOf(const HostLeaves& leaves) {
     if (byte_count < 0 || static_cast<uint64_t>(byte_count) != bytes.size()) {
       throw nb::value_error("an array's bytes do not match its shape and dtype");
     }
-    arrays.push_back(ArrayView{static_cast<uint8_t>(dtype), dims.data(), dims.size(),
-                               bytes.data(), bytes.size()});
+    arrays.push_back(ArrayView{static_cast<uint8_t>(dtype), dims.data(), dims.size(), bytes.data(),
+                               bytes.size()});
   }
   return arrays;
 }

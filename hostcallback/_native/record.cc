@@ -55,8 +55,8 @@ void CopyArray(uint8_t* dst, const uint8_t* src, size_t bytes, ffi::ThreadPool* 
   // More threads than cores only take turns (forced CPU devices share one pool of 4 on 2 cores).
   static const size_t cores = std::max(1u, std::thread::hardware_concurrency());
   const size_t threads = bytes < kParallelCopyBytes ? 1
-                         : pool != nullptr ? static_cast<size_t>(pool->num_threads())
-                                           : 2;
+                         : pool != nullptr          ? static_cast<size_t>(pool->num_threads())
+                                                    : 2;
   if (threads < 2 || cores < 2) {
     std::memcpy(dst, src, bytes);
     return;

@@ -61,7 +61,7 @@ struct Record {
   size_t size = 0;
   size_t capacity = 0;
   bool outside_pool = false;  // larger than the pool could keep: freed, never pooled
-  bool urgent = false;  // a call or a barrier marker: its queue wakes the receiver at once
+  bool urgent = false;        // a call or a barrier marker: its queue wakes the receiver at once
   // Bytes of arrays the record stands for that are held elsewhere (a tap handed over in Python,
   // kFlagHandedOverInPython): its queue's budget counts them with the record's own.
   uint64_t held_bytes = 0;

@@ -45,9 +45,7 @@ std::string Responses::Wait(Key key, double timeout_s, Response* out, double cal
   std::unique_lock<std::mutex> lock(mu_);
   auto entry = table_.find(key);  // map iterators stay valid while others come and go
   if (entry == table_.end()) return kStoppedMessage;
-  auto answered = [&] {
-    return closed_ || entry->second.answered || failed_.count(key.first) > 0;
-  };
+  auto answered = [&] { return closed_ || entry->second.answered || failed_.count(key.first) > 0; };
   std::string interrupted;
   WaitInterruptibly(cv_, lock, timeout_s, answered, &interrupted);
   const bool got = entry->second.answered;

@@ -78,8 +78,8 @@ extern Responses& g_responses;
 // flags: the record's (kFlagExpectsResponse and more); pool: XLA's threads, which copy large
 // arrays (null: from Python, see EncodeRecord).
 std::string CallHost(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
-                     double timeout_s, Response* response,
-                     uint16_t flags = kFlagExpectsResponse, xla::ffi::ThreadPool* pool = nullptr);
+                     double timeout_s, Response* response, uint16_t flags = kFlagExpectsResponse,
+                     xla::ffi::ThreadPool* pool = nullptr);
 
 }  // namespace hostcallback
 

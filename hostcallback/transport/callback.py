@@ -20,11 +20,12 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+
 from hostcallback import _jax as jx
 from hostcallback import handover
 from hostcallback._jax import hlo, ir, mlir
-from hostcallback.errors import describe_error
 from hostcallback._native import outfeed
+from hostcallback.errors import describe_error
 
 _PARTITION_AVAL = jx.ShapedArray((), np.uint32)
 _CONSUMER_AVAL = jx.ShapedArray((), np.uint64)

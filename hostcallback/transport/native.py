@@ -10,6 +10,7 @@ import dataclasses
 
 import jax
 import numpy as np
+
 from hostcallback import _jax as jx
 from hostcallback._native import ffi_api, outfeed
 

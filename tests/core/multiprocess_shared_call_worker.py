@@ -31,7 +31,8 @@ with jax.set_mesh(mesh):
     x = jax.make_array_from_callback((8,), NamedSharding(mesh, P("d")),
                                      lambda index: np.arange(8, dtype=np.float32)[index])
     for device_index in (0, 3):
-        step = jax.jit(lambda x: hcb.call(fails, x, result_shape=x, device_index=device_index))
+        step = jax.jit(lambda x, device_index=device_index: hcb.call(
+            fails, x, result_shape=x, device_index=device_index))
         try:
             step(x).block_until_ready()
             print(f"called from device_index {device_index}: no error", flush=True)

@@ -15,8 +15,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import hostcallback as hcb
-from hostcallback import handover
 from helpers import run_python
+from hostcallback import handover
 
 
 def test_call_returns_the_host_result_into_the_computation(transport):
@@ -136,7 +136,8 @@ def test_a_call_that_takes_too_long_fails_after_its_timeout(transport):
         return v
 
     # Compile first: the clock measures the wait for the answer, not XLA's compiler.
-    compiled = jax.jit(lambda x: hcb.call(slow, x, result_shape=x, timeout=0.2)).lower(1.0).compile()
+    compiled = jax.jit(
+        lambda x: hcb.call(slow, x, result_shape=x, timeout=0.2)).lower(1.0).compile()
     started = time.monotonic()
     with pytest.raises(Exception, match="did not answer this call within its timeout"):
         compiled(1.0).block_until_ready()

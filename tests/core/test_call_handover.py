@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import memory_owner
 
 import hostcallback as hcb
+from helpers import memory_owner
 from hostcallback import handover, wire
 
 

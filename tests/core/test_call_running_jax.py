@@ -5,6 +5,7 @@ hangs with jax.pure_callback too), a call with a timeout fails with an error tha
 that blocking each step avoids it; blocked steps finish under a sharded jit too."""
 
 import pytest
+
 from helpers import TRANSPORTS, run_python
 
 EVOX_STEPS = """

@@ -5,9 +5,9 @@ import re
 
 import jax
 import pytest
-from helpers import ROOT, run_python
 
-from hostcallback import _jax, versions
+from helpers import ROOT, run_python
+from hostcallback import versions
 from hostcallback._native import ffi_api, outfeed
 
 PACKAGE = ROOT / "hostcallback"

@@ -18,6 +18,7 @@ import pathlib
 import re
 
 import pytest
+
 from helpers import ROOT, run_python
 
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

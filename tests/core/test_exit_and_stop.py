@@ -8,6 +8,7 @@ import sys
 import time
 
 import pytest
+
 from helpers import run_python
 
 SLOW_TAPS = """

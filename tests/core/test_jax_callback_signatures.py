@@ -82,7 +82,7 @@ def test_outside_jit_the_callback_gets_jax_arrays(transport, api):
     for name in ("jax", "ours"):
         callback = (IO_CALLBACKS if api == "io_callback" else PURE_CALLBACKS)[name]
         got = []
-        callback(lambda v: got.append(v) or v, SCALAR, jnp.float32(1.5))
+        callback(lambda v: got.append(v) or v, SCALAR, jnp.float32(1.5))  # noqa: B023 - run now
         hcb.barrier_wait()
         kinds[name] = (isinstance(got[0], jax.Array), float(got[0]))
     assert kinds["ours"] == kinds["jax"] == (True, 1.5)

@@ -12,6 +12,7 @@ import re
 import subprocess
 
 import pytest
+
 from helpers import ROOT, TRANSPORTS, run_python
 
 PRELUDE = """
@@ -58,7 +59,8 @@ def taps(x):
 tapped = run(taps, scenario)
 hcb.barrier_wait()
 waits = sum(s["waits"] for s in hcb.queue_stats().values())
-print(json.dumps({{"called": float(called.sum()), "expected_called": float(3 * run(lambda x: x, scenario).sum()),
+expected_called = float(3 * run(lambda x: x, scenario).sum())
+print(json.dumps({{"called": float(called.sum()), "expected_called": expected_called,
                   "seen": len(seen), "seen_sum": sum(seen), "waits": waits}}))
 """
 

@@ -5,6 +5,7 @@ import ast
 import pathlib
 
 import pytest
+
 from helpers import ROOT
 
 # Where each module's folder lies: the repository's consumer/ is installed as hostcallback.consumer.

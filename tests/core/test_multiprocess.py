@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import free_port
 
+from helpers import free_port
 from hostcallback.consumer import read_records
 from hostcallback.consumer.collector import CollectorThread
 

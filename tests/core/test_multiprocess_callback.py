@@ -4,6 +4,7 @@ taps reach one collector exactly once, each device with its own shard, in step o
 from pathlib import Path
 
 import pytest
+
 from helpers import run_cluster
 
 WORKER = Path(__file__).with_name("multiprocess_worker.py")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from helpers import run_cluster, run_jax_processes
 
 WORKER = Path(__file__).with_name("multiprocess_sharded_worker.py")

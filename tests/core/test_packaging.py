@@ -5,15 +5,14 @@ import importlib.metadata
 import importlib.resources
 import importlib.util
 import pathlib
-
 import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
 
 import hostcallback
 import hostcallback.consumer
+from helpers import ROOT
 
 
 def test_the_compiled_core_lives_inside_the_package():

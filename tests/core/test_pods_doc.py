@@ -3,6 +3,7 @@
 import re
 
 import pytest
+
 from helpers import ROOT, run_python
 
 GUIDE = ROOT / "docs" / "pods.md"

@@ -9,7 +9,6 @@ installed entry point.
 import json
 import textwrap
 
-import pytest
 from helpers import run_pytest
 
 # The modules that would mean the plugin made an unrelated run pay for JAX.

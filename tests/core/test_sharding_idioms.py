@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_python
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import hostcallback as hcb
+from helpers import run_python
 from hostcallback.transport import callback as callback_transport
 
 

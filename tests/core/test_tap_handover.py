@@ -9,11 +9,11 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import TEST_PLATFORM, fresh_queue, memory_owner
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import hostcallback as hcb
+from helpers import TEST_PLATFORM, fresh_queue, memory_owner
 from hostcallback import handover, wire
 from hostcallback._native import outfeed
 from hostcallback.record_layout import FLAGS, LEAVES

@@ -12,7 +12,7 @@ import hostcallback as hcb
 
 def warn_if_negative(value, transforms):
     if float(value) < 0:
-        warnings.warn("a negative value was tapped", UserWarning)
+        warnings.warn("a negative value was tapped", UserWarning, stacklevel=2)
 
 
 @jax.jit

@@ -7,9 +7,9 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import run_pytest
 
 import hostcallback as hcb
+from helpers import run_pytest
 
 TWO_TESTS_WITHOUT_THE_FIXTURE = """
     import jax

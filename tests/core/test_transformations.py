@@ -1,4 +1,5 @@
-"""Taps under vmap, autodiff, custom rules and remat: one test per row of docs/transformations.md."""
+"""Taps under vmap, autodiff, custom rules and remat: one test per row of
+docs/transformations.md."""
 
 import jax
 import jax.numpy as jnp

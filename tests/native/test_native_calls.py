@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TEST_PLATFORM, drain_one, fresh_queue, wait_until
 
 import hostcallback as hcb
+from helpers import TEST_PLATFORM, drain_one, fresh_queue, wait_until
 from hostcallback import config, wire
 from hostcallback._native import outfeed
 

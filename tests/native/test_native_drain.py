@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import TEST_PLATFORM, drain_one, fresh_queue, run_python, wait_until
 from jax import lax
 
 import hostcallback as hcb
+from helpers import TEST_PLATFORM, drain_one, fresh_queue, run_python, wait_until
 from hostcallback import wire
 from hostcallback._native import outfeed
 from hostcallback.registry import BARRIER_MARKER_ID

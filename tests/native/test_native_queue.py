@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TEST_PLATFORM, drain_one, fresh_queue, run_python, wait_until
 from jax import lax
 
 import hostcallback as hcb
+from helpers import TEST_PLATFORM, drain_one, fresh_queue, run_python, wait_until
 from hostcallback import config, wire
 from hostcallback._native import outfeed
 from hostcallback.receiver import devices_to_receive, queue_key

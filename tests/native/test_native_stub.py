@@ -11,7 +11,8 @@ import pytest
 
 from hostcallback._native import outfeed
 
-STUB = Path(__file__).resolve().parents[2] / "hostcallback" / "_native" / "_hostcallback_outfeed.pyi"
+STUB = (Path(__file__).resolve().parents[2] / "hostcallback" / "_native"
+        / "_hostcallback_outfeed.pyi")
 TREE = ast.parse(STUB.read_text())
 
 

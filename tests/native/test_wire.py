@@ -5,10 +5,10 @@ import struct
 
 import numpy as np
 import pytest
-from helpers import TEST_PLATFORM, drain_one, fresh_queue
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import TEST_PLATFORM, drain_one, fresh_queue
 from hostcallback import wire
 from hostcallback._native import outfeed
 

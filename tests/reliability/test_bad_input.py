@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hostcallback as hcb
-from hostcallback.consumer import StreamFormatError, StreamReader, TapRecord, stream
 from hostcallback import wire
 from hostcallback._native import outfeed
+from hostcallback.consumer import StreamFormatError, StreamReader, TapRecord, stream
 
 
 def test_a_tap_of_a_donated_buffer_sees_the_value_before_donation(transport, collector):

@@ -15,10 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_pytest, run_python
 from jax import lax
 
 import hostcallback as hcb
+from helpers import run_pytest, run_python
 from hostcallback import config
 
 STEPS = 10

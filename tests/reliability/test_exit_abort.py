@@ -10,6 +10,7 @@ JAX (50 by hand, see the "Reliability" document)."""
 import os
 
 import pytest
+
 from helpers import run_python
 
 RUNS = int(os.environ.get("HOSTCALLBACK_EXIT_RUNS", "3"))

@@ -3,6 +3,7 @@ nothing printed about ignored exceptions (Python 3.12 refuses new threads during
 exit path must start none). A long exit may say what it waits for; nothing else is printed."""
 
 import pytest
+
 from helpers import run_python
 
 IN_FLIGHT_AT_EXIT = """

@@ -5,6 +5,7 @@ crashes (global C++ state outlives the interpreter's exit while device threads s
 import re
 
 import pytest
+
 from helpers import run_python
 
 BLOCKED_ON_A_FULL_QUEUE = """

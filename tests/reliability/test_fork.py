@@ -5,6 +5,7 @@ the receivers has no threads). The parent goes on delivering.
 (JAX itself does not run computations in a fork() child: even a plain jitted one hangs there.)"""
 
 import pytest
+
 from helpers import run_python
 
 FORK_PROGRAM = """

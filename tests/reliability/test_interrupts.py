@@ -14,6 +14,7 @@ import sys
 import time
 
 import pytest
+
 from helpers import TRANSPORTS
 
 # The program under test. It restores Ctrl-C's default handler (a run in a background job starts

@@ -9,9 +9,9 @@ import traceback
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import run_python
 
 import hostcallback as hcb
+from helpers import run_python
 from hostcallback import config, handover, wire
 from hostcallback._native import outfeed
 

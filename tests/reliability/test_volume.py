@@ -4,6 +4,7 @@ bounded by the documented bound while a slow consumer holds the devices back."""
 import os
 
 import pytest
+
 from helpers import run_python
 
 VOLUME = """
@@ -88,11 +89,12 @@ MEMORY = """
     done.set()
     sampler.join()
     waits = sum(s["waits"] for s in hcb.queue_stats().values())
-    print(len(seen), waits, peak[0] - baseline, hcb.queue_stats()[jax.devices()[0]]["bytes_enqueued"])
+    enqueued = hcb.queue_stats()[jax.devices()[0]]["bytes_enqueued"]
+    print(len(seen), waits, peak[0] - baseline, enqueued)
     """
 
-# docs/reliability.md, "Memory bound": per device the queue (one budget, or one record larger than it
-# alone) plus the batch a receiver holds (at most one budget plus one record), each buffer up to
+# docs/reliability.md, "Memory bound": per device the queue (one budget, or one record larger than
+# it alone) plus the batch a receiver holds (at most one budget plus one record), each buffer up to
 # 25 % larger than its record (pool size classes), and per process the free buffers of the pool
 # (pooled buffers in use and free together within one budget plus one batch).
 BUDGET, RECORD, DEVICES = 1 << 20, 64 << 10, 4

@@ -31,29 +31,11 @@ FLAG_HANDED_OVER_IN_PYTHON = outfeed.FLAG_HANDED_OVER_IN_PYTHON
 assert FIXED_HEADER.size == outfeed.WIRE_FIXED_HEADER_BYTES
 assert DESCRIPTOR.size == outfeed.WIRE_DESCRIPTOR_BYTES
 
-# Codes are XLA's PrimitiveType numbers, which the FFI hands the handler as the element type.
+# Codes are XLA's PrimitiveType numbers, which the FFI hands the handler as the element type;
+# the table is the core's (constants.h), by numpy's and ml_dtypes' names.
 DTYPE_BY_CODE: dict[int, np.dtype] = {
-    1: np.dtype(np.bool_),
-    2: np.dtype(np.int8),
-    3: np.dtype(np.int16),
-    4: np.dtype(np.int32),
-    5: np.dtype(np.int64),
-    6: np.dtype(np.uint8),
-    7: np.dtype(np.uint16),
-    8: np.dtype(np.uint32),
-    9: np.dtype(np.uint64),
-    10: np.dtype(np.float16),
-    11: np.dtype(np.float32),
-    12: np.dtype(np.float64),
-    15: np.dtype(np.complex64),
-    16: np.dtype(ml_dtypes.bfloat16),
-    18: np.dtype(np.complex128),
-    19: np.dtype(ml_dtypes.float8_e5m2),
-    20: np.dtype(ml_dtypes.float8_e4m3fn),
-    23: np.dtype(ml_dtypes.float8_e4m3b11fnuz),
-    24: np.dtype(ml_dtypes.float8_e5m2fnuz),
-    25: np.dtype(ml_dtypes.float8_e4m3fnuz),
-}
+    code: np.dtype(getattr(ml_dtypes, name, None) or name)
+    for code, name in sorted(outfeed.WIRE_DTYPES.items())}
 CODE_BY_DTYPE: dict[np.dtype, int] = {dtype: code for code, dtype in DTYPE_BY_CODE.items()}
 
 

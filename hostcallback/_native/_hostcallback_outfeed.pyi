@@ -59,6 +59,7 @@ class _PoolStats(TypedDict):
 # ---- constants (constants.h and timeouts.h) ----------------------------------------------------
 
 NATIVE_PLATFORM: Final = "cpu"
+WIRE_DTYPES: Final[dict[int, str]]  # numpy's (and ml_dtypes') name of each wire dtype code
 FFI_API_VERSION: Final[tuple[int, int]]  # of the XLA FFI headers the core was built against
 ALL_DEVICES: Final = -1
 WIRE_VERSION: Final = 1

@@ -36,6 +36,35 @@ inline constexpr uint16_t kFlagExpectsResponse = 1;  // a `call`: the device wai
 inline constexpr uint16_t kFlagHandedOverInPython = 2;
 inline constexpr uint64_t kBarrierMarkerId = 0;  // the consumer id of a barrier marker
 
+// The dtype of an array on the wire, by code (XLA's PrimitiveType numbers), as numpy names it;
+// the float8 and bfloat16 names are ml_dtypes'. Codes not listed here cannot be tapped.
+struct WireDtype {
+  uint8_t code;
+  const char* name;
+};
+inline constexpr WireDtype kWireDtypes[] = {
+    {1, "bool"},
+    {2, "int8"},
+    {3, "int16"},
+    {4, "int32"},
+    {5, "int64"},
+    {6, "uint8"},
+    {7, "uint16"},
+    {8, "uint32"},
+    {9, "uint64"},
+    {10, "float16"},
+    {11, "float32"},
+    {12, "float64"},
+    {15, "complex64"},
+    {16, "bfloat16"},
+    {18, "complex128"},
+    {19, "float8_e5m2"},
+    {20, "float8_e4m3fn"},
+    {23, "float8_e4m3b11fnuz"},
+    {24, "float8_e5m2fnuz"},
+    {25, "float8_e4m3fnuz"},
+};
+
 // ---- a decoded record: positions in the tuples drain() builds (hostcallback/record_layout.py) --
 
 inline constexpr int kRecordConsumerId = 0;

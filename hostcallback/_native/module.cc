@@ -452,6 +452,9 @@ void DefineModule(nb::module_& m) {
   DefineFrameFunctions(m);
   // The constants Python shares with the core (constants.h): Python reads them from here.
   m.attr("NATIVE_PLATFORM") = kNativePlatform;
+  nb::dict wire_dtypes;
+  for (const WireDtype& dtype : kWireDtypes) wire_dtypes[nb::int_(dtype.code)] = dtype.name;
+  m.attr("WIRE_DTYPES") = wire_dtypes;
   // The XLA FFI API of the headers the core was built against: a jaxlib registers its handlers
   // only if it speaks this major version and at least this minor one (ffi_api.py checks first).
   m.attr("FFI_API_VERSION") = nb::make_tuple(XLA_FFI_API_MAJOR, XLA_FFI_API_MINOR);

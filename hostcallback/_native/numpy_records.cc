@@ -148,14 +148,11 @@ nb::tuple ArraysOf(const Record& r, PyObject* owner) {
 
 void LoadDtypes() {
   if (g_dtypes_loaded) return;
-  nb::dict table =
-      nb::borrow<nb::dict>(nb::module_::import_("hostcallback.wire").attr("DTYPE_BY_CODE"));
-  for (auto [code, dtype] : table) {
-    const int c = nb::cast<int>(code);
-    if (c < 0 || c > 255) throw std::runtime_error("wire dtype code out of range");
+  nb::module_::import_("ml_dtypes");  // registers the names of its dtypes with numpy
+  for (const WireDtype& dtype : kWireDtypes) {
     PyArray_Descr* descr = nullptr;
-    if (!PyArray_DescrConverter(dtype.ptr(), &descr)) throw nb::python_error();
-    g_dtypes[c] = descr;  // a new reference, kept forever
+    if (!PyArray_DescrConverter(nb::str(dtype.name).ptr(), &descr)) throw nb::python_error();
+    g_dtypes[dtype.code] = descr;  // a new reference, kept forever
   }
   g_dtypes_loaded = true;
 }

@@ -14,8 +14,8 @@
 
 namespace hostcallback {
 
-// numpy dtype objects by wire code, taken once from hostcallback.wire.DTYPE_BY_CODE (the one
-// table of codes) and kept for the life of the process. Call before any record leaves its queue.
+// numpy dtype objects by wire code, made once from kWireDtypes (constants.h, the one table of
+// codes) and kept for the life of the process. Call before any record leaves its queue.
 void LoadDtypes();
 
 // Decodes a drained batch in C++: returns (records, markers) where each record is

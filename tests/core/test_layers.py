@@ -124,3 +124,12 @@ def test_the_consumers_use_only_the_public_api_and_addons():
                for target in targets
                if not target.startswith("hostcallback.consumer") and target not in allowed}
     assert not reached, "\n".join(sorted(reached))
+
+
+def test_the_compiled_core_imports_no_python_module_of_ours():
+    """Constants flow from the core (constants.h) to Python, never back."""
+    sources = sorted((ROOT / "hostcallback" / "_native").glob("*.[ch]*"))
+    importing = [f"{path.name}: {line.strip()}" for path in sources
+                 for line in path.read_text().splitlines()
+                 if 'import_("hostcallback' in line.replace(" ", "")]
+    assert sources and not importing, "\n".join(importing)

@@ -24,6 +24,8 @@ import os
 import sys
 from collections.abc import Iterable, Iterator
 
+from hostcallback.addons import format_metadata, format_value
+
 from .cli_messages import PROG, complain
 from .collect_command import add_collect_arguments, collect_command
 from .plotting import plot
@@ -31,8 +33,6 @@ from .series import source_of
 from .stats_sink import StatsSink, format_table
 from .stream import StreamFormatError, TapRecord
 from .stream_files import follow_records, read_records, read_stream, stream_files
-from hostcallback.addons import format_metadata, format_value
-
 
 # Arrays with more elements than this print as one line of statistics unless --full is given.
 SUMMARIZE_ABOVE = 16

@@ -59,6 +59,10 @@ logger = logging.getLogger("hostcallback.collector")
 _SAFE_RUN = re.compile(r"[^A-Za-z0-9_.-]+")
 _HEADER_BYTES = 64 << 10  # the largest header frame a client may send before it is authenticated
 _READ_BYTES = 1 << 16
+# The slowest a record may arrive, past the first stall_seconds: a client that sends a byte now
+# and then, each within stall_seconds, must not hold a slot forever either. 64 KiB/s lets a
+# 4 MiB record take a minute more.
+_RECORD_BYTES_PER_SECOND = 64 << 10
 # How refusals are counted (Collector.refused) and grouped in the log: several reasons, one kind.
 _KINDS = {
     Reason.NOT_A_STREAM: "not a stream", Reason.NO_SENDER: "not a stream",
@@ -67,6 +71,7 @@ _KINDS = {
     Reason.TOO_MANY_CLIENTS: "too many clients",
     Reason.NOT_A_FRAME: "garbage", Reason.BAD_CRC: "garbage", Reason.NOT_A_RECORD: "garbage",
     Reason.HEADER_STALLED: "stalled", Reason.RECORD_STALLED: "stalled",
+    Reason.RECORD_TOO_SLOW: "stalled",
     Reason.ACKNOWLEDGEMENTS_UNREAD: "stalled", Reason.IDLE: "idle",
     Reason.NO_HEADER: "no header", Reason.WRITE_FAILED: "write failed",
     Reason.SHUTTING_DOWN: "closing",
@@ -79,16 +84,19 @@ class CollectorLimits:
     ``max_clients * (max_record_bytes + 128 KiB)`` plus a few bytes per sender seen.
 
     ``max_clients`` bounds the senders that sent a valid header (with the token), and apart from
-    them the connections still sending one: when those are full, the oldest is dropped for the
-    newcomer, so clients that never authenticate cannot lock real senders out."""
+    them the connections still sending one (or still in their TLS handshake, counted from the
+    moment they are accepted): when those are full, the oldest is dropped for the newcomer, so
+    clients that never authenticate can neither lock real senders out nor use up its files."""
 
     max_record_bytes: int = 4 << 20
     max_clients: int = 64
     max_open_runs: int = 32
     min_free_bytes: int = 256 << 20
-    # A client silent this long mid-record is dropped; so is one whose header has not arrived
-    # whole this long after it connected, however it trickles in, and one that reads no
-    # acknowledgements this long while they pile up.
+    # A client silent this long mid-record is dropped, and so is one whose record has not
+    # arrived whole this long after its first byte (plus a second per _RECORD_BYTES_PER_SECOND of
+    # it), however it trickles in; so is one whose TLS handshake and header have not arrived whole
+    # this long after it connected, and one that reads no acknowledgements this long while they
+    # pile up.
     stall_seconds: float = 60.0
     # A client silent this long between records (no record, no heartbeat) is gone: a dead host
     # must not hold a slot forever. SocketSink sends a heartbeat every 30 s when it has nothing.
@@ -144,9 +152,10 @@ class Collector:
         self._runs: collections.OrderedDict[str, RunFile] = collections.OrderedDict()
         self._written: dict[str, dict[str, int]] = {}  # path -> sender -> next unwritten sequence
         self._writers: set[asyncio.StreamWriter] = set()
-        # Connections that have not sent a valid header yet, oldest first, and their peers.
-        self._unauthenticated: collections.OrderedDict[asyncio.StreamWriter, str] = \
-            collections.OrderedDict()
+        # Connections that have not sent a valid header yet, oldest first: their peers and
+        # handlers.
+        self._unauthenticated: collections.OrderedDict[
+            asyncio.StreamWriter, tuple[str, asyncio.Task | None]] = collections.OrderedDict()
         self._senders: dict[str, asyncio.StreamWriter] = {}  # sender -> its newest connection
         self._handlers: set[asyncio.Task] = set()
         self._closing = False  # serve() is ending: no handler may open a run file any more
@@ -290,6 +299,52 @@ class Collector:
                 raise Refuse(Reason.NOT_A_FRAME)
         return count, position
 
+    def _admit(self, writer: asyncio.StreamWriter, peer: str, task: asyncio.Task | None) -> None:
+        """Counts a new connection against the cap on unauthenticated ones at once, before any
+        TLS handshake; when they are full, the oldest is dropped for it."""
+        if len(self._unauthenticated) >= self.limits.max_clients:
+            _, (oldest_peer, oldest_task) = self._unauthenticated.popitem(last=False)
+            self._log_once(oldest_peer, "no header in time",
+                           f"{self.limits.max_clients} connections wait for their header (the "
+                           "limit): the oldest is dropped for a newer one")
+            # Its handler is cancelled, not its transport aborted: aborted mid-handshake, the
+            # transport makes StreamWriter.start_tls end in an AttributeError (3.11 to 3.13).
+            if oldest_task is not None:
+                oldest_task.cancel()
+        self._unauthenticated[writer] = (peer, task)
+
+    async def _start_tls(self, writer: asyncio.StreamWriter, peer: str) -> bool:
+        """The TLS handshake of a connection accepted as plain TCP, within stall_seconds; False
+        (logged) when it fails or takes longer. Not start_server(ssl=...): its handshake runs
+        before the handler sees the connection, where neither the cap on unauthenticated
+        connections nor their deadline could stop idle ones from using up the collector's files."""
+        try:
+            await writer.start_tls(self.tls, ssl_handshake_timeout=self.limits.stall_seconds)
+        except OSError as error:  # ssl.SSLError, the peer gone, or the handshake's timeout
+            self._log_once(peer, "tls handshake", f"no TLS handshake: {error}")
+            return False
+        return True
+
+    def _record_seconds(self, buffer: bytearray) -> float:
+        """How long the record that ``buffer`` starts with may take to arrive whole from its first
+        byte: stall_seconds, plus a second per _RECORD_BYTES_PER_SECOND of its length (once its
+        frame header tells it)."""
+        length = FRAME.unpack_from(buffer)[1] if len(buffer) >= FRAME.size else 0
+        return self.limits.stall_seconds + length / _RECORD_BYTES_PER_SECOND
+
+    def _timed_out(self, header: dict[str, Any] | None, buffer: bytearray,
+                   last_read: float) -> Refuse:
+        """Why a connection whose read timed out is dropped; mid-record, it was either silent for
+        stall_seconds or sent bytes, but not the whole record in time."""
+        limits = self.limits
+        if header is None:
+            return Refuse(Reason.HEADER_STALLED, seconds=limits.stall_seconds)
+        if not buffer:
+            return Refuse(Reason.IDLE, seconds=limits.idle_seconds)
+        if time.monotonic() - last_read >= limits.stall_seconds:
+            return Refuse(Reason.RECORD_STALLED, seconds=limits.stall_seconds)
+        return Refuse(Reason.RECORD_TOO_SLOW, seconds=f"{self._record_seconds(buffer):.3g}")
+
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self._closing:  # accepted just before serve() ended, which dropped the others
             writer.transport.abort()
@@ -303,46 +358,41 @@ class Collector:
         task = asyncio.current_task()
         if task is not None:
             self._handlers.add(task)
-        self._writers.add(writer)
-        if len(self._unauthenticated) >= self.limits.max_clients:
-            oldest, oldest_peer = self._unauthenticated.popitem(last=False)
-            self._log_once(oldest_peer, "no header in time",
-                           f"{self.limits.max_clients} connections wait for their header (the "
-                           "limit): the oldest is dropped for a newer one")
-            oldest.transport.abort()
-        self._unauthenticated[writer] = peer
+        self._admit(writer, peer, task)
         authenticated = False
         sender = None
         buffer = bytearray()
         header: dict[str, Any] | None = None
         header_deadline = time.monotonic() + self.limits.stall_seconds
+        record_started = last_read = time.monotonic()  # record_started: of the record in buffer
         received = 0
         try:
+            # Nothing above may wait: the client's first TLS bytes must reach the handshake, not
+            # this connection's plain reader.
+            if self.tls is not None and not await self._start_tls(writer, peer):
+                return
+            self._writers.add(writer)
             while True:
-                waiting = header is None or bool(buffer)
-                if header is None:  # one deadline for the whole header, however it trickles
+                if header is None:  # one deadline for the handshake and the whole header
                     wait = header_deadline - time.monotonic()
+                elif buffer:  # mid-record: a deadline for each read, and one for the record
+                    wait = min(self.limits.stall_seconds,
+                               record_started + self._record_seconds(buffer) - time.monotonic())
                 else:
-                    wait = self.limits.stall_seconds if waiting else self.limits.idle_seconds
+                    wait = self.limits.idle_seconds
                 try:
                     chunk = await asyncio.wait_for(reader.read(_READ_BYTES), max(0.0, wait))
-                except asyncio.TimeoutError:
-                    if header is None:
-                        raise Refuse(Reason.HEADER_STALLED,
-                                     seconds=self.limits.stall_seconds) from None
-                    if not waiting:
-                        raise Refuse(Reason.IDLE, seconds=self.limits.idle_seconds) from None
-                    raise Refuse(Reason.RECORD_STALLED,
-                                 seconds=self.limits.stall_seconds) from None
+                except TimeoutError:
+                    raise self._timed_out(header, buffer, last_read) from None
+                last_read = time.monotonic()
                 if not chunk:
-                    if header is None and writer not in self._unauthenticated:
-                        break  # dropped for a newer connection (logged there)
                     if header is None:
                         raise Refuse(Reason.NO_HEADER)
                     if received == 0:
                         self._log_once(peer, "no records", "closed without sending a record")
                     break  # a torn last record is sent again by its sender
                 buffer += chunk
+                arrived = len(buffer)
                 if header is None:
                     found, used = self._frames(buffer, _HEADER_BYTES, records=False)
                     if not found:
@@ -380,16 +430,18 @@ class Collector:
                     writer.write(ACK.pack(received))
                     try:  # a client that reads no acknowledgements must not hold a slot forever
                         await asyncio.wait_for(writer.drain(), self.limits.stall_seconds)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         raise Refuse(Reason.ACKNOWLEDGEMENTS_UNREAD,
                                      seconds=self.limits.stall_seconds) from None
+                if len(buffer) < arrived or arrived == len(chunk):  # a new record began
+                    record_started = time.monotonic()
         except Refuse as refuse:
             refusal = refuse.refusal
             self._log_once(peer, _KINDS[refusal.reason], refusal.text)
             try:
                 writer.write(refusal.pack())
                 await asyncio.wait_for(writer.drain(), 1.0)
-            except (ConnectionError, asyncio.TimeoutError):
+            except (ConnectionError, TimeoutError):
                 pass
         except (ConnectionError, asyncio.CancelledError):
             pass
@@ -439,8 +491,9 @@ class Collector:
 
     async def serve(self, host: str, port: int, ready: asyncio.Event | None = None) -> None:
         self.check_bind(host)
-        server = await asyncio.start_server(self.handle, host, port, limit=_READ_BYTES,
-                                            ssl=self.tls)
+        # Plain TCP even with TLS: each handler runs its own handshake (_start_tls), so that
+        # the limits on unauthenticated connections see them from the start.
+        server = await asyncio.start_server(self.handle, host, port, limit=_READ_BYTES)
         self.port = server.sockets[0].getsockname()[1]
         logger.info("collector: listening on %s:%d, writing to %s", host, self.port, self.out_dir)
         if ready is not None:
@@ -455,17 +508,16 @@ class Collector:
             self._closing = True
             for writer in list(self._writers):  # drop the clients, so that their senders notice
                 writer.transport.abort()
-            if hasattr(server, "abort_clients"):  # 3.13+: also connections still in TLS setup
-                server.abort_clients()
+            # Connections still in their TLS handshake are not in _writers (an aborted one would
+            # break StreamWriter.start_tls): cancelling their handlers closes them.
             handlers = [task for task in self._handlers if task is not asyncio.current_task()]
             for task in handlers:  # one waiting for disk would otherwise reopen a run file
                 task.cancel()
             await asyncio.gather(*handlers, return_exceptions=True)
             self.close()
-            try:  # lets the aborted connections finish closing; bounded, as before 3.13 nothing
-                # can drop a connection whose TLS handshake is still under way
+            try:  # lets the aborted connections finish closing; bounded all the same
                 await asyncio.wait_for(server.wait_closed(), 1.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def counts(self) -> str:

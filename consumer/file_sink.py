@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import threading
 
+from hostcallback.addons import add_flush_hook
+
 from .sink_base import FrameSink
 from .stream import StreamWriter
-from hostcallback.addons import add_flush_hook
 
 
 class FileSink(FrameSink):

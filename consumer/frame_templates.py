@@ -19,10 +19,9 @@ from typing import Any
 import numpy as np
 from jax import tree_util
 
-from hostcallback.addons import LEAVES, SEQUENCE, frame_records
+from hostcallback.addons import LEAVES, SEQUENCE, RecordBatch, frame_records
 
 from .stream import TapRecord, encode_value, frame_item, pack
-from hostcallback.addons import RecordBatch
 
 _STEP_KINDS = ("i", "u", "b")  # integer and bool steps; a float step is int()-ed in Python
 

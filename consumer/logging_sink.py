@@ -11,9 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from hostcallback.addons import array_summary
+
 from .sink_base import Sink
 from .stream import TapRecord
-from hostcallback.addons import array_summary
 
 
 def summarize(value: Any, max_items: int = 8) -> str:

@@ -39,9 +39,10 @@ import numpy as np
 from jax import lax
 
 import hostcallback
+from hostcallback.addons import add_flush_hook
+
 from .sink_base import Sink, tap_to
 from .stream import TapRecord
-from hostcallback.addons import add_flush_hook
 
 
 def _is_terminal(file: TextIO) -> bool:

@@ -44,6 +44,9 @@ ACK = struct.Struct("<Q")
 REFUSED = (1 << 64) - 1
 # The length of a refusal's text, which follows it.
 REASON = struct.Struct("<I")
+# The longest refusal text: the collector's are a sentence, so a sender takes a longer length for
+# a broken or hostile peer, never for something to read (it would read up to 4 GiB).
+MAX_REFUSAL_TEXT = 64 << 10
 # After the text: the refusal's code and the limit it names.
 REFUSAL_CODE = struct.Struct("<HQ")
 # An empty frame: SocketSink sends one when idle, so the collector knows it is alive. The
@@ -77,6 +80,7 @@ class Reason(enum.IntEnum):
     NO_HEADER = 15
     WRITE_FAILED = 16
     SHUTTING_DOWN = 17
+    RECORD_TOO_SLOW = 18  # a record trickled in: bytes came, but never the whole record
 
 
 # The English text of each reason; ``{limit}`` is the refusal's limit, the other fields are
@@ -104,6 +108,7 @@ _TEXTS = {
     Reason.NO_HEADER: "closed before sending a stream header",
     Reason.WRITE_FAILED: "the collector cannot write {path}: {error}",
     Reason.SHUTTING_DOWN: "the collector is shutting down",
+    Reason.RECORD_TOO_SLOW: "no whole record within {seconds} s of its first byte",
 }
 
 
@@ -130,7 +135,7 @@ class Refusal:
 
     def pack(self) -> bytes:
         """The bytes the collector sends before it hangs up."""
-        text = self.text.encode()
+        text = self.text.encode()[:MAX_REFUSAL_TEXT]
         return (ACK.pack(REFUSED) + REASON.pack(len(text)) + text
                 + REFUSAL_CODE.pack(self.code, self.limit))
 

@@ -17,11 +17,21 @@ import threading
 import time
 import uuid
 
+from hostcallback.addons import add_flush_hook
 
-from .protocol import ACK, HEARTBEAT, REFUSED, TOKEN_VARIABLE, Reason, Refusal, sender_header
+from .protocol import (
+    ACK,
+    HEARTBEAT,
+    MAX_REFUSAL_TEXT,
+    REASON,
+    REFUSED,
+    TOKEN_VARIABLE,
+    Reason,
+    Refusal,
+    sender_header,
+)
 from .sink_base import FrameSink, process_index
 from .stream import FRAME, unpack_item
-from hostcallback.addons import add_flush_hook
 
 logger = logging.getLogger("hostcallback.sinks")
 
@@ -37,6 +47,9 @@ def _unpack_name(data: bytes) -> str:
 # A send that makes no progress this long means the collector is gone without a word (a network
 # partition): the sink reconnects.
 _SEND_TIMEOUT = 60.0
+# A refusal arrives whole within this long of its first bytes (it is a sentence, sent at once):
+# one that trickles in must not hold the sending thread, it is taken as far as it came.
+_REFUSAL_SECONDS = 1.0
 
 
 class _Refused(OSError):
@@ -49,6 +62,11 @@ class _Refused(OSError):
 
 class _Unacknowledged(OSError):
     """The collector took bytes but acknowledged nothing for ``ack_timeout`` s."""
+
+
+class _ProtocolError(OSError):
+    """The collector said what the protocol does not allow: the connection is given up, and what
+    it said is believed in nothing (no record is taken for acknowledged on its word)."""
 
 
 class SocketSink(FrameSink):
@@ -202,6 +220,11 @@ class SocketSink(FrameSink):
             del acks[:ACK.size]
             with self._cond:
                 newly = total - on_connection[0]
+                if not 0 <= newly <= self._sent:  # it would forget records never sent
+                    raise _ProtocolError(
+                        f"the collector acknowledged {total} records on this connection, but "
+                        f"{on_connection[0] + self._sent} were sent on it (not a hostcallback "
+                        "collector, or a broken one; reconnecting, and no record is forgotten)")
                 on_connection[0] = total
                 self._buffered -= sum(map(len, self._frames[:newly]))
                 del self._frames[:newly]
@@ -210,16 +233,27 @@ class SocketSink(FrameSink):
                 self._cond.notify_all()
 
     def _read_refusal(self, connection: socket.socket, acks: bytearray) -> Refusal:
-        """The refusal that ``acks`` starts with, read whole (for a second at most)."""
-        connection.settimeout(1.0)
-        try:
-            while len(acks) < Refusal.size_of(acks):
+        """The refusal that ``acks`` starts with, read whole, or as far as it came before the
+        connection ended or _REFUSAL_SECONDS passed (a collector older than the codes sends no
+        code, and may not hang up at once). Raises _ProtocolError for a text over
+        MAX_REFUSAL_TEXT: that is no refusal to wait for."""
+        deadline = time.monotonic() + _REFUSAL_SECONDS
+        while len(acks) < Refusal.size_of(acks):
+            if len(acks) >= ACK.size + REASON.size:
+                (length,) = REASON.unpack_from(acks, ACK.size)
+                if length > MAX_REFUSAL_TEXT:
+                    raise _ProtocolError(
+                        f"the collector sent a refusal of {length} bytes, over the "
+                        f"{MAX_REFUSAL_TEXT} a refusal may have (not a hostcallback collector, "
+                        "or a broken one; reconnecting)")
+            try:
+                connection.settimeout(max(0.001, deadline - time.monotonic()))
                 chunk = connection.recv(4096)
-                if not chunk:
-                    break
-                acks.extend(chunk)
-        except OSError:
-            pass
+            except OSError:  # the deadline, or the end: what arrived is all there is
+                break
+            if not chunk:
+                break
+            acks.extend(chunk)
         return Refusal.unpack(acks)
 
     def _drop_too_large(self, refusal: Refusal) -> bool:
@@ -325,7 +359,8 @@ class SocketSink(FrameSink):
                 refused = isinstance(error, _Refused)
                 if refused and self._drop_too_large(error.refusal):
                     continue  # reconnect at once and send what follows it
-                self._report_problem(str(error) if refused or isinstance(error, _Unacknowledged)
+                self._report_problem(str(error) if refused
+                                     or isinstance(error, (_Unacknowledged, _ProtocolError))
                                      else f"cannot reach the collector ({type(error).__name__}: "
                                           f"{error})", refused)
                 with self._cond:

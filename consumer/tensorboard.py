@@ -27,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
+from hostcallback.addons import add_flush_hook
+
 from .sink_base import Sink
 from .stream import TapRecord
-from hostcallback.addons import add_flush_hook
 
 logger = logging.getLogger("hostcallback.tensorboard")
 

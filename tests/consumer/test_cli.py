@@ -67,8 +67,8 @@ def _tail_follow(path, last: int, lines: int, then=None, then_lines: int = 0):
     """Runs ``tail -n LAST -f PATH``: reads ``lines`` lines, calls ``then()``, reads
     ``then_lines`` more; returns both lists."""
     follower = subprocess.Popen([sys.executable, "-m", "hostcallback.consumer", "tail", "-n",
-                                 str(last), "-f", str(path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                text=True)
+                                 str(last), "-f", str(path)], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)
     try:
         first = [follower.stdout.readline().strip() for _ in range(lines)]
         if then is not None:

@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 import pytest
-from helpers import free_port, wait_until
 
+from helpers import free_port, wait_until
 from hostcallback.consumer import SocketSink, TapRecord, protocol, read_records, stream
 from hostcallback.consumer.collector import (
     Collector,
@@ -75,6 +75,31 @@ def refused(client: socket.socket) -> Refusal:
 def refusal(client: socket.socket) -> str:
     """The text of the collector's refusal, for people."""
     return refused(client).text
+
+
+def closed_by_peer(client: socket.socket) -> bool:
+    """Whether the collector has closed this connection (without reading what it holds)."""
+    if not select.select([client], [], [], 0)[0]:
+        return False
+    try:
+        return client.recv(1, socket.MSG_PEEK) == b""
+    except ConnectionError:
+        return True
+
+
+def trickle(client: socket.socket, data: bytes, seconds: float, budget: float = 10.0) -> None:
+    """Sends ``data`` a byte every ``seconds`` until the collector answers (a refusal), failing
+    after ``budget`` s."""
+    deadline = time.monotonic() + budget
+    for byte in data:
+        if select.select([client], [], [], seconds)[0]:
+            return
+        assert time.monotonic() < deadline, f"still connected after {budget} s"
+        try:
+            client.sendall(bytes([byte]))
+        except BrokenPipeError:
+            return
+    raise AssertionError("the whole record went out: it is too short for this test")
 
 
 def values_in(path, name="r"):
@@ -199,6 +224,26 @@ def test_a_client_that_trickles_its_header_is_dropped_after_stall_seconds(make_c
             pass
         assert "no whole stream header within 0.5 s" in refusal(slow)
     assert server.collector.refused["stalled"] == 1
+
+
+def test_a_client_that_trickles_a_record_is_dropped_while_a_sender_is_served(make_collector):
+    server = make_collector(limits=CollectorLimits(stall_seconds=0.5))
+    sink = SocketSink("127.0.0.1", server.port, run="good")
+    record = frames([np.zeros(1000)])  # 8 KB: it may take 0.5 s, plus 8 KB at 64 KiB/s
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", server.port)) as slow:
+        slow.sendall(header() + record[:stream.FRAME.size])
+        for value in range(3):
+            sink.emit(TapRecord(name="r", value=value))
+        trickle(slow, record[stream.FRAME.size:], 0.1)  # a byte per 0.1 s, each within 0.5 s
+        answer = refused(slow)
+    assert time.monotonic() - started < 5  # before the fix: connected as long as it trickles
+    assert answer.reason is Reason.RECORD_TOO_SLOW
+    assert answer.text.startswith("no whole record within 0.6")
+    sink.flush(timeout=10)
+    assert values_in(server.collector.path_for("good")) == [0, 1, 2]
+    assert server.collector.refused["stalled"] == 1
+    assert sink.close() == 0
 
 
 class _DeafWriter:
@@ -630,6 +675,43 @@ def test_a_sink_streams_over_tls_to_a_collector_with_a_certificate(make_collecto
         sink.emit(TapRecord(name="r", value=i))
     assert sink.close() == 0
     assert values_in(server.collector.path_for("tls")) == list(range(5))
+
+
+def test_with_tls_idle_connections_over_the_cap_are_dropped_at_once_and_a_sender_delivers(
+        make_collector, tmp_path):
+    cert, key = self_signed(tmp_path, "collector")
+    limits = CollectorLimits(max_clients=4)  # stall_seconds stays 60 s: only the cap drops them
+    server = make_collector(tls=tls_context(str(cert), str(key)), token="t", limits=limits)
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(20)]
+    try:  # none of them starts a TLS handshake
+        # The cap holds the 4 newest. Before the fix none was closed: the handshake ran before
+        # the handler, so the cap never saw them, and they held their files for 60 s.
+        wait_until(lambda: sum(map(closed_by_peer, idle)) == 16, timeout=5,
+                   what="all but the 4 newest idle connections closed")
+        sink = SocketSink("127.0.0.1", server.port, run="tls", token="t", tls_ca_file=cert)
+        for i in range(5):
+            sink.emit(TapRecord(name="r", value=i))
+        sink.flush(timeout=10)
+        assert sum(map(closed_by_peer, idle)) == 17  # the sink's connection took one's place
+        assert sink.close() == 0
+    finally:
+        for client in idle:
+            client.close()
+    assert values_in(server.collector.path_for("tls")) == list(range(5))
+    assert server.collector.refused["no header in time"] == 17
+
+
+def test_with_tls_a_connection_that_never_starts_its_handshake_is_dropped_after_stall_seconds(
+        make_collector, tmp_path):
+    cert, key = self_signed(tmp_path, "collector")
+    server = make_collector(tls=tls_context(str(cert), str(key)),
+                            limits=CollectorLimits(stall_seconds=0.5))
+    with socket.create_connection(("127.0.0.1", server.port)) as idle:
+        started = time.monotonic()
+        wait_until(lambda: closed_by_peer(idle), timeout=5,  # before the fix: asyncio's 60 s
+                   what="the collector to close a connection without a handshake")
+    assert time.monotonic() - started >= 0.4
+    wait_until(lambda: server.collector.refused["tls handshake"] == 1, what="it to be counted")
 
 
 def test_a_sink_refuses_a_collector_whose_certificate_it_does_not_trust(make_collector, tmp_path):

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import run_python, wait_until
 from jax import lax
 
 import hostcallback as hcb
+from helpers import run_python, wait_until
 from hostcallback.consumer import (
     FileSink,
     LoggingSink,
@@ -114,7 +114,8 @@ def test_file_sink_is_flushed_at_exit(tmp_path):
         from jax import lax
         from hostcallback.consumer import FileSink, tap_to
         sink = FileSink({str(path)!r})
-        jax.jit(lambda x: lax.fori_loop(0, 25, lambda i, c: (tap_to([sink], i, name="i"), c)[1], x))(0)
+        body = lambda i, c: (tap_to([sink], i, name="i"), c)[1]
+        jax.jit(lambda x: lax.fori_loop(0, 25, body, x))(0)
         """, devices=1)
     assert result.returncode == 0, result.stderr
     assert [int(r.value) for r in read_records(path)] == list(range(25))
@@ -142,7 +143,8 @@ def test_stats_sink_keeps_count_mean_min_max_last():
 
 def test_socket_sink_streams_to_the_collector_tagged_with_its_source(collector_server):
     sink = SocketSink("127.0.0.1", collector_server.port, run="unit")
-    jax.jit(lambda x: lax.fori_loop(0, 30, lambda i, c: (tap_to([sink], {"step": i}, name="s"), c)[1], x))(0)
+    body = lambda i, c: (tap_to([sink], {"step": i}, name="s"), c)[1]
+    jax.jit(lambda x: lax.fori_loop(0, 30, body, x))(0)
     hcb.barrier_wait()
     sink.close()
     path = collector_server.collector.path_for("unit")

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
 
+from helpers import ROOT
 from hostcallback.consumer import read_records
 from hostcallback.consumer.tensorboard import event_files, read_events, read_scalars
 

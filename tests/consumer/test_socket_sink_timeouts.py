@@ -2,6 +2,7 @@
 a collector that cannot be reached is reported once, and records that never arrive are named."""
 
 import logging
+import re
 import socket
 import threading
 import time
@@ -9,11 +10,19 @@ import time
 import jax
 import numpy as np
 import pytest
-from helpers import free_port, run_python, wait_until
 
 import hostcallback as hcb
+from helpers import free_port, run_python, wait_until
 from hostcallback.consumer import SocketSink, TapRecord, tap_to
-from hostcallback.consumer.protocol import ACK, REASON, REFUSAL_CODE, REFUSED, Reason, Refusal
+from hostcallback.consumer.protocol import (
+    ACK,
+    MAX_REFUSAL_TEXT,
+    REASON,
+    REFUSAL_CODE,
+    REFUSED,
+    Reason,
+    Refusal,
+)
 
 
 @pytest.mark.timeout(20)  # before the fix this barrier waited the sink's 30 s
@@ -43,7 +52,8 @@ def test_close_is_bounded_and_names_the_records_it_could_not_deliver(caplog):
 def test_flush_raises_after_its_timeout_naming_why(caplog):
     sink = SocketSink("127.0.0.1", free_port(), run="nobody")
     sink.emit(TapRecord(name="r", value=1))
-    with pytest.raises(TimeoutError, match=r"1 records not acknowledged after 0.5 s \(cannot reach"):
+    with pytest.raises(TimeoutError,
+                       match=r"1 records not acknowledged after 0.5 s \(cannot reach"):
         sink.flush(timeout=0.5)
     sink.close(timeout=0)
 
@@ -133,8 +143,10 @@ def test_emit_on_a_full_buffer_drops_after_flush_timeout_and_says_so(caplog):
     sink.close(timeout=0)
 
 
-def _refuse(connection, refusal: bytes) -> None:
-    connection.sendall(refusal)
+def _answer(connection, data: bytes) -> None:
+    """Sends ``data`` (a refusal, an acknowledgement), then reads until the sink hangs up, as a
+    collector does."""
+    connection.sendall(data)
     connection.settimeout(5)
     try:
         while connection.recv(1 << 16):  # until the sink hangs up, as a collector does
@@ -147,7 +159,7 @@ def _refuse_then_reset(connection, index):
     with connection:
         connection.recv(1 << 16)
         if index % 2:  # refuse, saying why
-            _refuse(connection, Refusal.of(Reason.TOKEN).pack())
+            _answer(connection, Refusal.of(Reason.TOKEN).pack())
         # else hang up without a word: the sink sees a reset
 
 
@@ -184,7 +196,7 @@ def test_a_refusal_holds_its_text_where_older_senders_read_it_then_its_code():
 def _refuse_with_a_future_code(connection, index):
     with connection:
         connection.recv(1 << 16)
-        _refuse(connection, Refusal(code=999, text="the collector is on fire").pack())
+        _answer(connection, Refusal(code=999, text="the collector is on fire").pack())
 
 
 @pytest.mark.timeout(30)
@@ -207,7 +219,7 @@ def _refuse_without_a_code(connection, index):
     with connection:
         connection.recv(1 << 16)
         reason = b"wrong or missing token"  # what a collector from before the codes sends
-        _refuse(connection, ACK.pack(REFUSED) + REASON.pack(len(reason)) + reason)
+        _answer(connection, ACK.pack(REFUSED) + REASON.pack(len(reason)) + reason)
 
 
 @pytest.mark.timeout(30)
@@ -222,6 +234,80 @@ def test_a_refusal_from_a_collector_older_than_the_codes_is_reported_with_its_te
         sink.close(timeout=0)
     older.close()
     assert sink.dropped == 0
+
+
+def _acknowledge_more_than_was_sent(connection, index):
+    with connection:
+        connection.recv(1 << 16)
+        _answer(connection, ACK.pack(1000))
+
+
+@pytest.mark.timeout(30)
+def test_an_acknowledgement_of_more_records_than_were_sent_is_an_error_and_forgets_none(caplog):
+    liar = FakeCollector(_acknowledge_more_than_was_sent)
+    with caplog.at_level(logging.WARNING, logger="hostcallback.sinks"):
+        sink = SocketSink("127.0.0.1", liar.port, run="liar")
+        for i in range(3):
+            sink.emit(TapRecord(name="r", value=i))
+        # Before the fix the flush returned: the acknowledgement deleted every buffered record.
+        with pytest.raises(TimeoutError, match=r"acknowledged 1000 records on this connection, "
+                                               r"but [123] were sent on it"):
+            sink.flush(timeout=3)
+    assert sink.pending == 3 and sink.acknowledged == 0 and sink.dropped == 0
+    assert sink.close(timeout=0) == 3
+    liar.close()
+
+
+def _trickle_after(connection, index, data: bytes) -> None:
+    """Sends ``data``, then a byte every 0.1 s until the sink hangs up (or for 30 s)."""
+    with connection:
+        connection.recv(1 << 16)
+        connection.sendall(data)
+        try:
+            for _ in range(300):
+                time.sleep(0.1)
+                connection.sendall(b"x")
+        except OSError:
+            pass
+
+
+def _refuse_with_4_gib_of_text(connection, index):
+    _trickle_after(connection, index, ACK.pack(REFUSED) + REASON.pack(0xFFFF_FFFF))
+
+
+@pytest.mark.timeout(30)
+def test_a_refusal_over_its_size_limit_is_an_error_not_4_gib_to_read():
+    liar = FakeCollector(_refuse_with_4_gib_of_text)
+    sink = SocketSink("127.0.0.1", liar.port, run="liar")
+    for i in range(3):
+        sink.emit(TapRecord(name="r", value=i))
+    # Before the fix the sending thread went on reading the text (a byte at a time, each within
+    # its one-second timeout), so the flush timed out without a word of why.
+    with pytest.raises(TimeoutError, match=f"a refusal of {0xFFFF_FFFF} bytes, over the "
+                                           f"{MAX_REFUSAL_TEXT} a refusal may have"):
+        sink.flush(timeout=3)
+    assert sink.pending == 3 and sink.dropped == 0
+    assert sink.close(timeout=0) == 3
+    liar.close()
+
+
+def _trickle_a_refusal(connection, index):
+    _trickle_after(connection, index, ACK.pack(REFUSED) + REASON.pack(60_000))
+
+
+@pytest.mark.timeout(30)
+def test_a_refusal_that_trickles_in_is_taken_as_far_as_it_came_within_a_second():
+    liar = FakeCollector(_trickle_a_refusal)
+    sink = SocketSink("127.0.0.1", liar.port, run="liar")
+    sink.emit(TapRecord(name="r", value=1))
+    started = time.monotonic()
+    # Before the fix: 60,000 bytes at ten a second, each within the one-second timeout.
+    wait_until(lambda: sink.problem is not None, timeout=5, what="the sink to give up reading")
+    assert time.monotonic() - started < 3
+    assert re.fullmatch("the collector refused this sink: x+", sink.problem)
+    assert sink.pending == 1 and sink.dropped == 0
+    assert sink.close(timeout=0) == 1
+    liar.close()
 
 
 class _AckWhenTold:
@@ -280,7 +366,7 @@ def _accept_and_never_read(connection, index):
 def test_close_stops_a_sending_thread_blocked_on_a_collector_that_does_not_read():
     stuck = FakeCollector(_accept_and_never_read)
     sink = SocketSink("127.0.0.1", stuck.port, run="stuck", ack_timeout=600)
-    for i in range(40):  # 40 MB: far more than the socket buffers hold
+    for _ in range(40):  # 40 MB: far more than the socket buffers hold
         sink.emit(TapRecord(name="r", value=np.zeros(250_000, np.float32)))
     wait_until(lambda: sink._sent > 0)  # the thread is in sendall
     assert sink.close(timeout=0.5) == 40

@@ -8,8 +8,8 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import wait_until
 
+from helpers import wait_until
 from hostcallback.consumer import FileSink, TapRecord, read_records, stream
 from hostcallback.consumer.stream import SkippedRange
 from hostcallback.consumer.stream_files import follow_records, read_stream, stream_files
@@ -84,7 +84,8 @@ def test_version_1_files_still_read():
 
 def test_version_1_files_resynchronise_after_damage_too():
     data = bytearray(_version_1(RECORDS))
-    third = data.find(b"\x8c\xa4name", data.find(b"\x8c\xa4name", data.find(b"\x8c\xa4name") + 1) + 1)
+    name = b"\x8c\xa4name"
+    third = data.find(name, data.find(name, data.find(name) + 1) + 1)
     data[third + 8:third + 12] = b"\xc1\xc1\xc1\xc1"
     skipped = []
     assert steps(read_records(io.BytesIO(bytes(data)), skipped)) == [0, 1, 3, 4, 5, 6, 7, 8, 9]

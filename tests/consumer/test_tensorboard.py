@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_python
 
 import hostcallback as hcb
+from helpers import run_python
 from hostcallback.consumer import TapRecord, TensorBoardSink, tap_to
 from hostcallback.consumer.tensorboard import event_files, read_events, read_scalars
 

@@ -21,6 +21,9 @@ from hostcallback.config import configure
 from hostcallback.flavors import CallbackFlavor
 
 if TYPE_CHECKING:
+    from hostcallback._host.failures import CallbackException
+    from hostcallback._host.receiver import ReceiverStoppedError, reset_peak_bytes_queued
+    from hostcallback._host.record_context import RecordContext, current_record
     from hostcallback.api import (
         barrier_wait,
         call,
@@ -32,9 +35,6 @@ if TYPE_CHECKING:
         stop_outfeed_receiver,
         taps_delivered,
     )
-    from hostcallback.failures import CallbackException
-    from hostcallback.receiver import ReceiverStoppedError, reset_peak_bytes_queued
-    from hostcallback.record_context import RecordContext, current_record
 
 __version__ = "0.1.0"
 
@@ -76,9 +76,10 @@ _IMPORTED_ON_FIRST_USE = {
     **dict.fromkeys(("barrier_wait", "call", "id_print", "id_tap", "io_callback", "pure_callback",
                      "queue_stats", "stop_outfeed_receiver", "taps_delivered"),
                     "hostcallback.api"),
-    "CallbackException": "hostcallback.failures",
-    **dict.fromkeys(("RecordContext", "current_record"), "hostcallback.record_context"),
-    **dict.fromkeys(("ReceiverStoppedError", "reset_peak_bytes_queued"), "hostcallback.receiver"),
+    "CallbackException": "hostcallback._host.failures",
+    **dict.fromkeys(("RecordContext", "current_record"), "hostcallback._host.record_context"),
+    **dict.fromkeys(("ReceiverStoppedError", "reset_peak_bytes_queued"),
+                    "hostcallback._host.receiver"),
 }
 
 

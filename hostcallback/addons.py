@@ -7,7 +7,7 @@ can write a sink the way ours are written:
   so a barrier also means "written"; an owner with ``flush_before(deadline)`` gets the caller's
   deadline (``time.monotonic()`` based, or None) instead and must not wait past it.
 - ``RecordBatch``: a tap function whose class defines ``tap_batch(batch)`` gets each run of
-  consecutive records of its tap site from one device at once (see ``hostcallback.batches``).
+  consecutive records of its tap site from one device at once (see ``hostcallback._host.batches``).
 - ``current_record()`` and ``RecordContext``: inside a consumer, which record it is handling.
 - ``CONSUMER_ID``, ``DEVICE_ID``, ``SEQUENCE``, ``FLAGS``, ``LEAVES``: where a record of
   ``RecordBatch.records`` keeps each field.
@@ -23,13 +23,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from hostcallback._host.batches import RecordBatch
+from hostcallback._host.printing import array_summary, format_metadata, format_value
+from hostcallback._host.record_context import RecordContext, current_record
 from hostcallback._native import outfeed
-from hostcallback.batches import RecordBatch
+from hostcallback._records.record_layout import CONSUMER_ID, DEVICE_ID, FLAGS, LEAVES, SEQUENCE
+from hostcallback._records.registry import EqualByKey
 from hostcallback.lifecycle import lifecycle
-from hostcallback.printing import array_summary, format_metadata, format_value
-from hostcallback.record_context import RecordContext, current_record
-from hostcallback.record_layout import CONSUMER_ID, DEVICE_ID, FLAGS, LEAVES, SEQUENCE
-from hostcallback.registry import EqualByKey
 
 __all__ = ["CONSUMER_ID", "DEVICE_ID", "FLAGS", "LEAVES", "SEQUENCE", "EqualByKey", "RecordBatch",
            "RecordContext", "add_flush_hook", "array_summary", "current_record",

@@ -20,13 +20,16 @@ import numpy as np
 from jax import tree_util
 
 from hostcallback import _jax as jx
-from hostcallback import binding, config, printing, reentry, transport, wire
+from hostcallback import config
+from hostcallback._host import printing, reentry
+from hostcallback._host.receiver import receivers
 from hostcallback._native import outfeed
+from hostcallback._records import wire
+from hostcallback._records.registry import Consumer, EqualByKey, registry
+from hostcallback._trace import binding, transport
 from hostcallback.errors import name_of
 from hostcallback.flavors import CallbackFlavor, check_vmap_method, flavor_of
 from hostcallback.lifecycle import lifecycle
-from hostcallback.receiver import receivers
-from hostcallback.registry import Consumer, EqualByKey, registry
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
 

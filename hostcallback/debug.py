@@ -20,9 +20,9 @@ import numpy as np
 from jax import tree_util
 
 from hostcallback import api
+from hostcallback._records.registry import Consumer, EqualByKey
 from hostcallback.flavors import CallbackFlavor
 from hostcallback.lifecycle import lifecycle
-from hostcallback.registry import Consumer, EqualByKey
 
 __all__ = ["HostArray", "callback", "effects_barrier", "print"]
 

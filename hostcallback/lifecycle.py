@@ -33,11 +33,19 @@ import jax
 import numpy as np
 
 from hostcallback import _jax as jx
-from hostcallback import binding, config, transport, wire
+from hostcallback import config
+from hostcallback._host.failures import CallbackException
+from hostcallback._host.receiver import (
+    FORKED,
+    Notice,
+    ReceiverPool,
+    ReceiverStoppedError,
+    receivers,
+)
 from hostcallback._native import outfeed
-from hostcallback.failures import CallbackException
-from hostcallback.receiver import FORKED, Notice, ReceiverPool, ReceiverStoppedError, receivers
-from hostcallback.registry import BARRIER_MARKER_ID
+from hostcallback._records import wire
+from hostcallback._records.registry import BARRIER_MARKER_ID
+from hostcallback._trace import binding, transport
 
 logger = logging.getLogger("hostcallback")
 

@@ -145,7 +145,7 @@ def _wait_for_taps() -> None:
     if _gave_up is not None:
         return
     import hostcallback
-    from hostcallback.receiver import receivers
+    from hostcallback._host.receiver import receivers
 
     try:
         hostcallback.barrier_wait(timeout=_wait_timeout_s)

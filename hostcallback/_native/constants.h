@@ -11,7 +11,7 @@
 
 namespace hostcallback {
 
-// ---- wire format (hostcallback/wire.py decodes it; docs/wire-format.md) -----------------------
+// ---- wire format (hostcallback/_records/wire.py decodes it; docs/wire-format.md) -----------------------
 
 inline constexpr uint32_t kMagic = 0x31424348;  // the bytes "HCB1"
 inline constexpr uint16_t kVersion = 1;
@@ -32,7 +32,7 @@ inline constexpr size_t kRecordSizeOffset = 40;
 inline constexpr uint16_t kFlagExpectsResponse = 1;  // a `call`: the device waits for the answer
 // A tap or call made from Python (the callback transport): its record holds a ticket, not the
 // arrays, which are handed over in Python without a copy, as a call's answer is
-// (hostcallback/handover.py).
+// (hostcallback/_records/handover.py).
 inline constexpr uint16_t kFlagHandedOverInPython = 2;
 inline constexpr uint64_t kBarrierMarkerId = 0;  // the consumer id of a barrier marker
 
@@ -65,7 +65,7 @@ inline constexpr WireDtype kWireDtypes[] = {
     {25, "float8_e4m3fnuz"},
 };
 
-// ---- a decoded record: positions in the tuples drain() builds (hostcallback/record_layout.py) --
+// ---- a decoded record: positions in the tuples drain() builds (hostcallback/_records/record_layout.py) --
 
 inline constexpr int kRecordConsumerId = 0;
 inline constexpr int kRecordDeviceId = 1;

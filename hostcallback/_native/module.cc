@@ -3,7 +3,7 @@
 //
 // The core as a whole is the device side of hostcallback: per-device outfeed queues and the XLA
 // FFI handlers. A handler runs on XLA's device thread. It copies the tapped buffers into one
-// record (header + payload, layout in docs/wire-format.md and hostcallback/wire.py) and appends
+// record (header + payload, layout in docs/wire-format.md and hostcallback/_records/wire.py) and appends
 // it to that device's queue. It never runs Python and never takes the GIL. The receiver threads
 // in Python call drain(), which waits here with the GIL released, gathers a batch, and decodes
 // it here: each record comes out as (consumer id, device, sequence, flags, arrays), the arrays
@@ -152,7 +152,7 @@ void EnqueueFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves,
 }
 
 // A tap handed over in Python (kFlagHandedOverInPython): the leaves are its ticket,
-// hostcallback/handover.py holds its arrays, and the budget counts their held_bytes.
+// hostcallback/_records/handover.py holds its arrays, and the budget counts their held_bytes.
 void EnqueueHandedOver(int device, uint64_t consumer_id, const HostLeaves& leaves,
                        uint64_t held_bytes, const std::string& platform) {
   EnqueueFromPython(device, consumer_id, leaves, platform, kFlagHandedOverInPython, held_bytes);
@@ -198,7 +198,7 @@ nb::list CallFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves
 }
 
 // The callback transport's `call`, handed over in Python (kFlagHandedOverInPython): the leaves
-// are the call's ticket, and hostcallback/handover.py holds the answer under it.
+// are the call's ticket, and hostcallback/_records/handover.py holds the answer under it.
 void CallHandedOver(int device, uint64_t consumer_id, const HostLeaves& leaves, double timeout_s,
                     const std::string& platform) {
   CallFromPython(device, consumer_id, leaves, timeout_s, platform,
@@ -366,7 +366,7 @@ void DefineModule(nb::module_& m) {
   m.def("drain_raw", &DrainRaw, nb::arg("device"), nb::arg("max_records"), nb::arg("max_bytes"),
         nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
         "Like drain, undecoded: a list of read-only uint8 arrays, one a record, each owning its "
-        "memory (for hostcallback.wire.decode_record, the reference decoder).");
+        "memory (for hostcallback._records.wire.decode_record, the reference decoder).");
   m.def("enqueue", &EnqueueFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),
         nb::arg("platform") = kNativePlatform,
         "Appends one record built from (dtype_code, dims, bytes) leaves; waits while the queue "
@@ -374,7 +374,7 @@ void DefineModule(nb::module_& m) {
   m.def("enqueue_handed_over", &EnqueueHandedOver, nb::arg("device"), nb::arg("consumer_id"),
         nb::arg("leaves"), nb::arg("held_bytes"), nb::arg("platform") = kNativePlatform,
         "As enqueue, for a tap whose leaves are its ticket and whose arrays, held_bytes of them, "
-        "wait in Python under that ticket (FLAG_HANDED_OVER_IN_PYTHON, hostcallback.handover); "
+        "wait in Python under that ticket (FLAG_HANDED_OVER_IN_PYTHON, hostcallback._records.handover); "
         "the queue's budget counts them until the record is drained.");
   m.attr("CALL_TIMEOUT_PREFIX") = kTimeoutPrefix;
   m.def("call", &CallFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),
@@ -384,7 +384,7 @@ void DefineModule(nb::module_& m) {
   m.def("call_handed_over", &CallHandedOver, nb::arg("device"), nb::arg("consumer_id"),
         nb::arg("leaves"), nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
         "As call, for a call whose leaves are its ticket and whose answer the receiver hands "
-        "over in Python, under that ticket (FLAG_HANDED_OVER_IN_PYTHON, hostcallback.handover); "
+        "over in Python, under that ticket (FLAG_HANDED_OVER_IN_PYTHON, hostcallback._records.handover); "
         "returns once it is there.");
   m.def("respond", &Respond, nb::arg("device"), nb::arg("sequence"), nb::arg("results"),
         nb::arg("platform") = kNativePlatform,

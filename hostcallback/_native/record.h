@@ -1,4 +1,4 @@
-// One tap record: its bytes (layout in docs/wire-format.md and hostcallback/wire.py) and how
+// One tap record: its bytes (layout in docs/wire-format.md and hostcallback/_records/wire.py) and how
 // they are built from the tapped arrays.
 #ifndef HOSTCALLBACK_NATIVE_RECORD_H_
 #define HOSTCALLBACK_NATIVE_RECORD_H_

@@ -1,5 +1,5 @@
 """Tap functions with ``tap_batch`` get each run of their records in one call
-(hostcallback.batches), in order, on both transports."""
+(hostcallback._host.batches), in order, on both transports."""
 
 import threading
 from unittest import mock

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import hostcallback as hcb
 from helpers import run_python
-from hostcallback import handover
+from hostcallback._records import handover
 
 
 def test_call_returns_the_host_result_into_the_computation(transport):

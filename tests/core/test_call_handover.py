@@ -1,6 +1,6 @@
 """A call on the callback transport hands its arguments and answer over in Python, without a
-copy (hostcallback/handover.py): the function sees what a decoded record would show it, and a
-call that ends early leaves nothing behind."""
+copy (hostcallback/_records/handover.py): the function sees what a decoded record would show it,
+and a call that ends early leaves nothing behind."""
 
 import threading
 import time
@@ -13,7 +13,7 @@ import pytest
 
 import hostcallback as hcb
 from helpers import memory_owner
-from hostcallback import handover, wire
+from hostcallback._records import handover, wire
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import hostcallback as hcb
-from hostcallback import printing
+from hostcallback._host import printing
 
 
 def test_prints_sorted_metadata_then_the_value(transport):

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import hostcallback as hcb
-from hostcallback import _jax, printing
+from hostcallback import _jax
+from hostcallback._host import printing
 
 # ---- pure_callback and call: the result dtypes legacy and JAX accept -----------------------
 

@@ -12,8 +12,8 @@ import textwrap
 from helpers import run_pytest
 
 # The modules that would mean the plugin made an unrelated run pay for JAX.
-HEAVY_MODULES = ("jax", "jaxlib", "hostcallback._jax", "hostcallback.api", "hostcallback.receiver",
-                 "hostcallback.lifecycle",
+HEAVY_MODULES = ("jax", "jaxlib", "hostcallback._jax", "hostcallback.api",
+                 "hostcallback._host.receiver", "hostcallback.lifecycle",
                  "hostcallback._native")
 
 

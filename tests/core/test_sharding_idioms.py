@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import hostcallback as hcb
 from helpers import run_python
-from hostcallback.transport import callback as callback_transport
+from hostcallback._trace.transport import callback as callback_transport
 
 
 class Idiom(NamedTuple):

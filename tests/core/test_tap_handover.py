@@ -1,6 +1,6 @@
 """A large tap made from Python (the callback transport) hands its arrays over without a copy
-(hostcallback/handover.py): its record carries a ticket, the queue's budget counts the arrays,
-the consumer sees them read-only, and nothing is left behind."""
+(hostcallback/_records/handover.py): its record carries a ticket, the queue's budget counts the
+arrays, the consumer sees them read-only, and nothing is left behind."""
 
 import time
 
@@ -14,9 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 import hostcallback as hcb
 from helpers import TEST_PLATFORM, fresh_queue, memory_owner
-from hostcallback import handover, wire
 from hostcallback._native import outfeed
-from hostcallback.record_layout import FLAGS, LEAVES
+from hostcallback._records import handover, wire
+from hostcallback._records.record_layout import FLAGS, LEAVES
 
 LARGE = handover.TAP_HANDOVER_MIN_BYTES
 

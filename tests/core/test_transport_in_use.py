@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 import hostcallback as hcb
-from hostcallback import config, handover
-from hostcallback.registry import BARRIER_MARKER_ID
+from hostcallback import config
+from hostcallback._records import handover
+from hostcallback._records.registry import BARRIER_MARKER_ID
 
 JAX_CALLBACK_TARGET = "xla_ffi_python_cpu_callback"
 

@@ -14,8 +14,9 @@ import pytest
 
 import hostcallback as hcb
 from helpers import TEST_PLATFORM, drain_one, fresh_queue, wait_until
-from hostcallback import config, wire
+from hostcallback import config
 from hostcallback._native import outfeed
+from hostcallback._records import wire
 
 leaf = wire.as_leaf
 

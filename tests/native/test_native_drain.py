@@ -18,9 +18,9 @@ from jax import lax
 
 import hostcallback as hcb
 from helpers import TEST_PLATFORM, drain_one, fresh_queue, run_python, wait_until
-from hostcallback import wire
 from hostcallback._native import outfeed
-from hostcallback.registry import BARRIER_MARKER_ID
+from hostcallback._records import wire
+from hostcallback._records.registry import BARRIER_MARKER_ID
 
 leaf = wire.as_leaf
 
@@ -223,7 +223,8 @@ def test_a_pooled_buffer_is_reused_for_a_record_of_the_same_size_class():
 
 _POOL_SCRIPT = """
 import numpy as np
-from hostcallback import config, wire
+from hostcallback import config
+from hostcallback._records import wire
 from hostcallback._native import outfeed
 
 def drain():  # as the receivers drain
@@ -358,7 +359,7 @@ def test_pool_stats_does_not_deadlock_when_the_garbage_collector_frees_a_record(
     result = run_python("""
         import gc
         import numpy as np
-        from hostcallback import wire
+        from hostcallback._records import wire
         from hostcallback._native import outfeed
 
         outfeed.enqueue(0, 3, [wire.as_leaf(np.zeros(1 << 16, np.float32))], platform="gc")

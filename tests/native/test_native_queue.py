@@ -17,9 +17,10 @@ from jax import lax
 
 import hostcallback as hcb
 from helpers import TEST_PLATFORM, drain_one, fresh_queue, run_python, wait_until
-from hostcallback import config, wire
+from hostcallback import config
+from hostcallback._host.receiver import devices_to_receive, queue_key
 from hostcallback._native import outfeed
-from hostcallback.receiver import devices_to_receive, queue_key
+from hostcallback._records import wire
 
 leaf = wire.as_leaf
 

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import TEST_PLATFORM, drain_one, fresh_queue
-from hostcallback import wire
 from hostcallback._native import outfeed
+from hostcallback._records import wire
 
 leaf = wire.as_leaf
 

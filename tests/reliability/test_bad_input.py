@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hostcallback as hcb
-from hostcallback import wire
 from hostcallback._native import outfeed
+from hostcallback._records import wire
 from hostcallback.consumer import StreamFormatError, StreamReader, TapRecord, stream
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 import hostcallback as hcb
-from hostcallback.failures import FailureLog
+from hostcallback._host.failures import FailureLog
 
 
 class Undescribable(Exception):

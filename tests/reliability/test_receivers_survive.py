@@ -12,8 +12,9 @@ import pytest
 
 import hostcallback as hcb
 from helpers import run_python
-from hostcallback import config, handover, wire
+from hostcallback import config
 from hostcallback._native import outfeed
+from hostcallback._records import handover, wire
 
 
 class Stop(BaseException):
@@ -228,7 +229,7 @@ def test_if_a_receiver_dies_anyway_calls_and_barriers_fail_naming_why(transport)
         import numpy as np
         import hostcallback as hcb
         from hostcallback.lifecycle import lifecycle
-        from hostcallback.receiver import receivers
+        from hostcallback._host.receiver import receivers
 
         class Broken(BaseException):
             pass
@@ -264,9 +265,9 @@ def test_a_dead_receiver_lets_go_of_the_arrays_its_queued_large_taps_handed_over
         import time
         import jax, jax.numpy as jnp
         import hostcallback as hcb
-        from hostcallback import handover
+        from hostcallback._records import handover
         from hostcallback.lifecycle import lifecycle
-        from hostcallback.receiver import receivers
+        from hostcallback._host.receiver import receivers
 
         class Broken(BaseException):
             pass

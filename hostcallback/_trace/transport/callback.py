@@ -3,7 +3,7 @@
 For platforms where our native handler is not registered (GPU and TPU today), or when
 ``HOSTCALLBACK_TRANSPORT=callback``. JAX hands the callback numpy arrays on the device's thread;
 we copy them into the same outfeed queue the native handler writes (or hand large ones over:
-hostcallback/handover.py), so the same receivers deliver them. The callback never builds a
+hostcallback/_records/handover.py), so the same receivers deliver them. The callback never builds a
 jax.Array (that path hangs with several CPU devices and large arguments, jax#25861) and never
 calls the consumer itself.
 """
@@ -22,9 +22,9 @@ import jax
 import numpy as np
 
 from hostcallback import _jax as jx
-from hostcallback import handover
 from hostcallback._jax import hlo, ir, mlir
 from hostcallback._native import outfeed
+from hostcallback._records import handover
 from hostcallback.errors import describe_error
 
 _PARTITION_AVAL = jx.ShapedArray((), np.uint32)

@@ -9,7 +9,7 @@ block or touch devices: it only reads the receiver's thread-local record.
 
 from __future__ import annotations
 
-from hostcallback.record_context import current_record
+from hostcallback._host.record_context import current_record
 
 
 def refuse_inside_consumer(what: str) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 from hostcallback import config
 from hostcallback._jax import mlir
 from hostcallback._native import ffi_api, outfeed
-from hostcallback.transport import callback, native
+from hostcallback._trace.transport import callback, native
 
 # None where this jaxlib refuses the core's handlers (ffi_api.py): the callback transport serves.
 NATIVE_PLATFORMS = frozenset() if ffi_api.MISMATCH else frozenset({outfeed.NATIVE_PLATFORM})

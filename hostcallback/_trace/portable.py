@@ -22,14 +22,16 @@ import numpy as np
 from jax.experimental import io_callback
 
 from hostcallback import _jax as jx
-from hostcallback import config, handover, transport
+from hostcallback import config
 from hostcallback._native import outfeed
-from hostcallback.flavors import PURE_FLAVOR
-from hostcallback.transport.native import (  # registers the handlers
+from hostcallback._records import handover
+from hostcallback._trace import transport
+from hostcallback._trace.transport.native import (  # registers the handlers
     CALL_TARGET,
     TAP_HANDLED_TARGET,
     TAP_TARGET,
 )
+from hostcallback.flavors import PURE_FLAVOR
 
 REPLAYS = ("deliver", "mark", "skip")  # the same words as the primitive; only deliver is done
 _ALL_DEVICES = np.int64(outfeed.ALL_DEVICES)

@@ -64,7 +64,8 @@ class Consumer:
     # name, which fails under transformations with JAX's own exceptions and messages.
     jax_api: str = ""
 
-    # A tap function's ``tap_batch`` method (hostcallback.batches), taken once; never a call's.
+    # A tap function's ``tap_batch`` method (hostcallback._host.batches), taken once; never a
+    # call's.
     tap_batch: Callable[..., Any] | None = dataclasses.field(
         default=None, init=False, compare=False, repr=False)
     # deliver(leaves, device): a tap's call, made once for this consumer (it runs per record).

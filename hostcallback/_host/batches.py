@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from hostcallback.record_context import for_this_thread
-from hostcallback.record_layout import CONSUMER_ID, LEAVES, SEQUENCE
-from hostcallback.registry import Consumer, Transform
+from hostcallback._host.record_context import for_this_thread
+from hostcallback._records.record_layout import CONSUMER_ID, LEAVES, SEQUENCE
+from hostcallback._records.registry import Consumer, Transform
 
 
 class RecordBatch:

@@ -22,8 +22,8 @@ import weakref
 from jax import lax
 
 from hostcallback import _jax as jx
-from hostcallback import fence
 from hostcallback._jax import patches
+from hostcallback._trace import fence
 
 
 class ProgramOrderEffect(jx.effects.Effect):

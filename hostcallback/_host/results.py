@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from jax import tree_util
 
-from hostcallback.registry import Consumer
+from hostcallback._records.registry import Consumer
 
 
 class CallResultError(TypeError):

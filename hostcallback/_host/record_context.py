@@ -1,7 +1,7 @@
 """Which record the receiver thread is handing to a consumer right now (``current_record()``).
 
-Kept apart from the receiver so that a batch (hostcallback.batches) can say which of its records
-is being read. This module only keeps one plain object per thread; it never calls consumers.
+Kept apart from the receiver so that a batch (hostcallback._host.batches) can say which of its
+records is being read. This module only keeps one plain object per thread; it never calls consumers.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any, NamedTuple
 
-from hostcallback.record_layout import CONSUMER_ID, SEQUENCE
+from hostcallback._records.record_layout import CONSUMER_ID, SEQUENCE
 
 
 class RecordContext(NamedTuple):

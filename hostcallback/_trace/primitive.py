@@ -21,13 +21,13 @@ import weakref
 import jax
 
 from hostcallback import _jax as jx
-from hostcallback import keep_taps, sharded_lowering
 from hostcallback._jax import ad, batching, ir, mlir, patches
+from hostcallback._records.registry import registry
+from hostcallback._trace import keep_taps, sharded_lowering
+from hostcallback._trace.program_order import ordered_tap_effect, program_order_effect
+from hostcallback._trace.transport import callback as callback_transport
+from hostcallback._trace.transport import emitter_for, register_lowering
 from hostcallback.flavors import VMAP_METHODS, CallbackFlavor
-from hostcallback.program_order import ordered_tap_effect, program_order_effect
-from hostcallback.registry import registry
-from hostcallback.transport import callback as callback_transport
-from hostcallback.transport import emitter_for, register_lowering
 
 outside_call_p = jx.Primitive("outside_call")
 outside_call_p.multiple_results = True

@@ -25,13 +25,15 @@ from typing import Any
 
 import jax
 
-from hostcallback import batches, config, handover, results, wire
+from hostcallback import config
+from hostcallback._host import batches, results
+from hostcallback._host.failures import CallbackException, Failures, without_locals
+from hostcallback._host.record_context import for_this_thread
 from hostcallback._native import outfeed
+from hostcallback._records import handover, wire
+from hostcallback._records.record_layout import CONSUMER_ID, FLAGS, LEAVES, SEQUENCE
+from hostcallback._records.registry import ConsumerRegistry, registry
 from hostcallback.errors import describe_error, name_of, printable
-from hostcallback.failures import CallbackException, Failures, without_locals
-from hostcallback.record_context import for_this_thread
-from hostcallback.record_layout import CONSUMER_ID, FLAGS, LEAVES, SEQUENCE
-from hostcallback.registry import ConsumerRegistry, registry
 
 logger = logging.getLogger("hostcallback")
 
@@ -338,7 +340,7 @@ class ReceiverPool:
         dict lookup, an unflatten and the call: the records come decoded from C++, the
         consumer's context is built only if it asks (current_record()), and the delivered
         count is kept per batch by the caller. A tap function with ``tap_batch`` gets each run
-        of its records in one call (hostcallback.batches)."""
+        of its records in one call (hostcallback._host.batches)."""
         consumers = self._consumers.by_id
         current = for_this_thread()
         index, count = 0, len(batch)

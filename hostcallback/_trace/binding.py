@@ -7,8 +7,8 @@ from __future__ import annotations
 from hostcallback import _jax
 
 if _jax.PORTABLE:
-    from hostcallback.portable import REPLAYS, bind
+    from hostcallback._trace.portable import REPLAYS, bind
 else:
-    from hostcallback.primitive import REPLAYS, bind
+    from hostcallback._trace.primitive import REPLAYS, bind
 
 __all__ = ["REPLAYS", "bind"]

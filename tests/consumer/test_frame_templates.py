@@ -18,12 +18,12 @@ from jax import lax, tree_util
 import hostcallback as hcb
 from helpers import run_python
 from hostcallback._native import outfeed
+from hostcallback._records.registry import Consumer
 from hostcallback.addons import LEAVES, RecordBatch
 from hostcallback.consumer import FileSink, SinkTap, tap_to
 from hostcallback.consumer.frame_templates import make_template, step_of
 from hostcallback.consumer.stream import TapRecord, frame_item
 from hostcallback.consumer.stream_files import read_records, read_stream, stream_files
-from hostcallback.registry import Consumer
 
 _FIELDS = {"name": "train", "metadata": {"lr": 0.5, "tags": ["a"]}, "process": 1, "host": "h",
            "device": "TFRT_CPU_0", "device_id": 0}

@@ -25,7 +25,6 @@ from hostcallback._jax import ad, batching, ir, mlir, patches
 from hostcallback._records.registry import registry
 from hostcallback._trace import keep_taps, sharded_lowering
 from hostcallback._trace.program_order import ordered_tap_effect, program_order_effect
-from hostcallback._trace.transport import callback as callback_transport
 from hostcallback._trace.transport import emitter_for, register_lowering
 from hostcallback.flavors import VMAP_METHODS, CallbackFlavor
 
@@ -247,6 +246,7 @@ def _lowering(ctx, *args, platform, **params):
     if jx.lowering_for_export(ctx):
         raise NotImplementedError(_EXPORT_MESSAGE.format(
             what="call" if is_call else "tap", name=registry.get(consumer_id).name or "?"))
+    emit = emitter_for(transport, platform)  # the transport, picked once for this tap
     axis_context = ctx.module_context.axis_context
     op_sharding = None
     if isinstance(axis_context, jx.SPMDAxisContext):
@@ -260,14 +260,12 @@ def _lowering(ctx, *args, platform, **params):
         sharded_lowering.check_device_index(params["device_index"], axis_context.num_devices)
         if axis_context.num_devices > 1:
             if params["partitioned"] and not is_call and args:
-                if emitter_for(transport, platform) is callback_transport:
-                    # The per-shard computations XLA builds drop their own host callbacks, so the
-                    # one they call is registered here, with the whole computation.
-                    params["shard_callback"] = callback_transport.register_shard_callback(ctx)
+                shard_callback = emit.shard_callback(ctx)
+                if shard_callback is not None:
+                    params["shard_callback"] = shard_callback
                 return sharded_lowering.lower_partitioned(ctx, args, outside_call_p, **params)
             del params["emit_device"]
             return sharded_lowering.lower_on_one_device(ctx, args, outside_call_p, **params)
-    emit = emitter_for(transport, platform)
     # The token that orders this tap after the previous one: JAX threads it through loops,
     # branches and calls (program_order.py); inside a per-shard module XLA builds, or for a PURE
     # tap, our own chain orders the taps of one block.
@@ -284,9 +282,9 @@ def _lowering(ctx, *args, platform, **params):
                                 token=token, op_sharding=op_sharding,
                                 result_avals=result_avals, timeout_s=timeout_s)
     elif params["shard_callback"] != NO_SHARD_CALLBACK:
-        token = callback_transport.tap_shard(ctx, list(args), consumer_id=consumer_id,
-                                             callback_index=params["shard_callback"],
-                                             token=token, op_sharding=op_sharding)
+        token = emit.tap_shard(ctx, list(args), consumer_id=consumer_id,
+                               callback_index=params["shard_callback"], token=token,
+                               op_sharding=op_sharding)
         outs = list(args)
     else:
         token = emit.tap(ctx, list(args), consumer_id=consumer_id, emit_device=emit_device,

@@ -233,7 +233,7 @@ def check(ctx, failed, values, *, consumer_id: int, op_sharding):
                  (lambda: [failed, *values], fail))
 
 
-def register_shard_callback(ctx) -> int:
+def shard_callback(ctx) -> int:
     """For a partitioned tap under automatic sharding: registers, with the whole computation, the
     host callback each device's shard calls, and returns its index.
 
@@ -257,8 +257,8 @@ def register_shard_callback(ctx) -> int:
 
 
 def tap_shard(ctx, args, *, consumer_id: int, callback_index: int, token, op_sharding):
-    """One device's shard of a partitioned tap: calls the callback register_shard_callback
-    registered with the whole computation, with this device's partition id."""
+    """One device's shard of a partitioned tap: calls the callback shard_callback registered with
+    the whole computation, with this device's partition id."""
     target = jx.PYTHON_CALLBACK_TARGETS[ctx.module_context.platforms[0]]
     operands = [token, mlir.ir_constant(np.uint64(consumer_id)), hlo.partition_id(), *args]
     call_ctx = dataclasses.replace(

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 from hostcallback import config
 from hostcallback.config import configure
+from hostcallback.errors import CallbackException, ReceiverStoppedError
 from hostcallback.flavors import CallbackFlavor
 
 if TYPE_CHECKING:
-    from hostcallback._host.failures import CallbackException
-    from hostcallback._host.receiver import ReceiverStoppedError, reset_peak_bytes_queued
+    from hostcallback._host.receiver import reset_peak_bytes_queued
     from hostcallback._host.record_context import RecordContext, current_record
     from hostcallback.api import (
         barrier_wait,
@@ -76,10 +76,8 @@ _IMPORTED_ON_FIRST_USE = {
     **dict.fromkeys(("barrier_wait", "call", "id_print", "id_tap", "io_callback", "pure_callback",
                      "queue_stats", "stop_outfeed_receiver", "taps_delivered"),
                     "hostcallback.api"),
-    "CallbackException": "hostcallback._host.failures",
     **dict.fromkeys(("RecordContext", "current_record"), "hostcallback._host.record_context"),
-    **dict.fromkeys(("ReceiverStoppedError", "reset_peak_bytes_queued"),
-                    "hostcallback._host.receiver"),
+    "reset_peak_bytes_queued": "hostcallback._host.receiver",
 }
 
 

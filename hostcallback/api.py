@@ -27,7 +27,7 @@ from hostcallback._native import outfeed
 from hostcallback._records import wire
 from hostcallback._records.registry import Consumer, EqualByKey, registry
 from hostcallback._trace import binding, transport
-from hostcallback.errors import name_of
+from hostcallback.errors import UnsupportedDtypeError, name_of
 from hostcallback.flavors import CallbackFlavor, check_vmap_method, flavor_of
 from hostcallback.lifecycle import lifecycle
 
@@ -46,7 +46,7 @@ def _leaf_to_array(path, leaf):
     array = leaf if isinstance(leaf, jax.Array) else jax.device_put(leaf)
     try:
         wire.dtype_code(array.dtype)
-    except wire.UnsupportedDtypeError as error:
+    except UnsupportedDtypeError as error:
         raise TypeError(f"{where}: {error}") from None
     if array.ndim > wire.MAX_NDIM:
         raise ValueError(

@@ -1,10 +1,38 @@
-"""Describing a user's exception or function on the error path, where nothing may fail.
+"""hostcallback's exceptions, and describing a user's exception or function on the error path,
+where nothing may fail.
 
-What these return is always text that encodes as UTF-8: a lone surrogate (a file name from
-``os.listdir`` that is not UTF-8) is written as its escape, since the core takes UTF-8 only.
+What the describing functions return is always text that encodes as UTF-8: a lone surrogate (a
+file name from ``os.listdir`` that is not UTF-8) is written as its escape, since the core takes
+UTF-8 only.
 """
 
 from __future__ import annotations
+
+
+class CallbackException(Exception):
+    """A tap consumer raised since the last barrier_wait; ``__cause__`` is the first exception."""
+
+
+class ReceiverStoppedError(RuntimeError):
+    """The receivers were stopped (stop_outfeed_receiver(), or a fork): taps cannot be delivered
+    any more."""
+
+
+class CallResultError(TypeError):
+    """A call consumer returned a pytree, shape or dtype other than its result_shape."""
+
+
+class WireFormatError(ValueError):
+    """Bytes that are not a well-formed tap record."""
+
+
+class UnsupportedDtypeError(TypeError):
+    """A dtype that has no byte layout on the wire (for example the packed 4-bit types)."""
+
+
+class UndecodableRecordError(ValueError):
+    """A record the receiver could not turn into arrays (numpy's dimension limit, memory); only
+    its own consumer fails, and the next barrier reports it."""
 
 
 def printable(text: str) -> str:

@@ -34,7 +34,6 @@ import numpy as np
 
 from hostcallback import _jax as jx
 from hostcallback import config
-from hostcallback._host.failures import CallbackException
 from hostcallback._host.receiver import (
     FORKED,
     Notice,
@@ -46,6 +45,7 @@ from hostcallback._native import outfeed
 from hostcallback._records import wire
 from hostcallback._records.registry import BARRIER_MARKER_ID
 from hostcallback._trace import binding, transport
+from hostcallback.errors import CallbackException
 
 logger = logging.getLogger("hostcallback")
 

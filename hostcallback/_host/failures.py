@@ -14,13 +14,9 @@ import time
 import traceback
 from typing import Any
 
-from hostcallback.errors import describe_error
+from hostcallback.errors import CallbackException, describe_error
 
 SUMMARY_SECONDS = 1.0  # repeated failures of one consumer are summarised at most this often
-
-
-class CallbackException(Exception):
-    """A tap consumer raised since the last barrier_wait; ``__cause__`` is the first exception."""
 
 
 def without_locals(error: BaseException) -> BaseException:

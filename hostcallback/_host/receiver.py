@@ -33,7 +33,13 @@ from hostcallback._native import outfeed
 from hostcallback._records import handover, wire
 from hostcallback._records.record_layout import CONSUMER_ID, FLAGS, LEAVES, SEQUENCE
 from hostcallback._records.registry import ConsumerRegistry, registry
-from hostcallback.errors import describe_error, name_of, printable
+from hostcallback.errors import (
+    ReceiverStoppedError,
+    UndecodableRecordError,
+    describe_error,
+    name_of,
+    printable,
+)
 
 logger = logging.getLogger("hostcallback")
 
@@ -110,11 +116,6 @@ FORKED = ("hostcallback's receivers were started in the process this one is a fo
           "threads do not come along: taps and calls cannot be traced or delivered here. Start "
           "worker processes with multiprocessing's \"spawn\" or \"forkserver\" method, or "
           "tap in the parent only.")
-
-
-class ReceiverStoppedError(RuntimeError):
-    """The receivers were stopped (stop_outfeed_receiver(), or a fork): taps cannot be delivered
-    any more."""
 
 
 class ReceiverPool:
@@ -351,7 +352,7 @@ class ReceiverPool:
                 consumer = (consumers.get(record[CONSUMER_ID])
                             or self._consumers.get(record[CONSUMER_ID]))
                 if record[LEAVES].__class__ is str:
-                    raise wire.UndecodableRecordError(
+                    raise UndecodableRecordError(
                         f"a tap record could not be decoded: {record[LEAVES]}")
                 if consumer.tap_batch is not None:  # its whole run of records in one call
                     start, index = index - 1, batches.run_end(batch, index - 1)

@@ -14,10 +14,7 @@ import numpy as np
 from jax import tree_util
 
 from hostcallback._records.registry import Consumer
-
-
-class CallResultError(TypeError):
-    """A call consumer returned a pytree, shape or dtype other than its result_shape."""
+from hostcallback.errors import CallResultError
 
 
 def _describe(dtype, shape) -> str:

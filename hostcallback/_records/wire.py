@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 
 from hostcallback._native import outfeed
+from hostcallback.errors import UnsupportedDtypeError, WireFormatError
 
 MAGIC = outfeed.WIRE_MAGIC  # the bytes b"HCB1"
 VERSION = outfeed.WIRE_VERSION
@@ -39,20 +40,7 @@ DTYPE_BY_CODE: dict[int, np.dtype] = {
 CODE_BY_DTYPE: dict[np.dtype, int] = {dtype: code for code, dtype in DTYPE_BY_CODE.items()}
 
 
-class WireFormatError(ValueError):
-    """Bytes that are not a well-formed tap record."""
-
-
-class UnsupportedDtypeError(TypeError):
-    """A dtype that has no byte layout on the wire (for example the packed 4-bit types)."""
-
-
 MAX_NDIM = outfeed.WIRE_MAX_NDIM  # numpy's limit: a tapped array must become one on the host
-
-
-class UndecodableRecordError(ValueError):
-    """A record the receiver could not turn into arrays (numpy's dimension limit, memory); only
-    its own consumer fails, and the next barrier reports it."""
 
 
 def dtype_code(dtype) -> int:

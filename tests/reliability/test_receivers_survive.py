@@ -12,9 +12,9 @@ import pytest
 
 import hostcallback as hcb
 from helpers import run_python
-from hostcallback import config
+from hostcallback import config, errors
 from hostcallback._native import outfeed
-from hostcallback._records import handover, wire
+from hostcallback._records import handover
 
 
 class Stop(BaseException):
@@ -170,7 +170,7 @@ def test_a_record_the_core_could_not_decode_fails_only_its_own_consumer(
     tap(2)
     with pytest.raises(hcb.CallbackException) as info:
         hcb.barrier_wait(timeout=60)
-    assert isinstance(info.value.__cause__, wire.UndecodableRecordError)
+    assert isinstance(info.value.__cause__, errors.UndecodableRecordError)
     assert "65 dimensions" in str(info.value.__cause__)
     assert collector.values == [2]
 

@@ -28,7 +28,7 @@ from hostcallback._records import wire
 from hostcallback._records.registry import Consumer, EqualByKey, registry
 from hostcallback._trace import binding, transport
 from hostcallback.errors import UnsupportedDtypeError, name_of
-from hostcallback.flavors import CallbackFlavor, check_vmap_method, flavor_of
+from hostcallback.flavors import REPLAYS, CallbackFlavor, check_vmap_method, flavor_of
 from hostcallback.lifecycle import lifecycle
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
@@ -186,8 +186,8 @@ def _check_arity(func: Callable[..., Any], api: str, positional: int, with_devic
 
 
 def _tap_only_params(partitioned: bool, replays: str) -> dict:
-    if replays not in binding.REPLAYS:
-        raise ValueError(f"replays must be one of {', '.join(map(repr, binding.REPLAYS))}, "
+    if replays not in REPLAYS:
+        raise ValueError(f"replays must be one of {', '.join(map(repr, REPLAYS))}, "
                          f"got {replays!r}")
     return {"partitioned": bool(partitioned), "replays": replays}
 

@@ -1,4 +1,5 @@
-"""The knobs that say how JAX may treat a callback: its flavor, and how `call` batches under vmap.
+"""The knobs that say how JAX may treat a callback: its flavor, how `call` batches under vmap, and
+what a tap does when jax.checkpoint recomputes it.
 
 They mirror the old ``host_callback.CallbackFlavor`` and ``jax.pure_callback``'s ``vmap_method``,
 so code written against those references keeps its meaning here ("Migrating to hostcallback").
@@ -26,6 +27,9 @@ class CallbackFlavor(enum.Enum):
 
 # The flavor as a tap's primitive carries it (its value).
 PURE_FLAVOR = CallbackFlavor.PURE.value
+
+# id_tap's ``replays``: what a tap does when jax.checkpoint recomputes it under grad.
+REPLAYS = ("deliver", "mark", "skip")
 
 
 def flavor_of(value: CallbackFlavor | str | None) -> CallbackFlavor:

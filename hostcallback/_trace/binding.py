@@ -7,8 +7,8 @@ from __future__ import annotations
 from hostcallback import _jax
 
 if _jax.PORTABLE:
-    from hostcallback._trace.portable import REPLAYS, bind
+    from hostcallback._trace.portable import bind
 else:
-    from hostcallback._trace.primitive import REPLAYS, bind
+    from hostcallback._trace.primitive import bind
 
-__all__ = ["REPLAYS", "bind"]
+__all__ = ["bind"]

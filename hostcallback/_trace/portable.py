@@ -33,9 +33,6 @@ from hostcallback._trace.transport.native import (  # registers the handlers
 )
 from hostcallback.flavors import PURE_FLAVOR
 
-REPLAYS = ("deliver", "mark", "skip")  # the same words as the primitive; only deliver is done
-_ALL_DEVICES = np.int64(outfeed.ALL_DEVICES)
-
 
 def _refuse(what: str) -> None:
     raise NotImplementedError(
@@ -89,7 +86,8 @@ def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
     if _native_here(transport):
         target = TAP_HANDLED_TARGET if await_handled else TAP_TARGET
         jax.ffi.ffi_call(target, (), has_side_effect=True, vmap_method="sequential")(
-            *stopped, consumer_id=np.uint64(consumer_id), emit_device=_ALL_DEVICES)
+            *stopped, consumer_id=np.uint64(consumer_id),
+            emit_device=np.int64(outfeed.ALL_DEVICES))
     else:
         jax.debug.callback(_enqueue_on_host(consumer_id, await_handled), *stopped)
     return list(leaves)
@@ -103,8 +101,8 @@ def _call(leaves, consumer_id, transport_name, result_avals, timeout_s, flavor, 
     if _native_here(transport_name):
         outs = jax.ffi.ffi_call(CALL_TARGET, shapes, has_side_effect=flavor != PURE_FLAVOR,
                                 vmap_method=vmap_method)(
-            *leaves, consumer_id=np.uint64(consumer_id), emit_device=_ALL_DEVICES,
-            timeout_s=np.float64(timeout_s))
+            *leaves, consumer_id=np.uint64(consumer_id),
+            emit_device=np.int64(outfeed.ALL_DEVICES), timeout_s=np.float64(timeout_s))
         return list(outs)
 
     def call_on_host(*arrays):
@@ -122,4 +120,4 @@ def _call(leaves, consumer_id, transport_name, result_avals, timeout_s, flavor, 
     return list(outs)
 
 
-__all__ = ["REPLAYS", "bind", "host_device"]
+__all__ = ["bind", "host_device"]

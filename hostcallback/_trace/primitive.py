@@ -22,6 +22,7 @@ import jax
 
 from hostcallback import _jax as jx
 from hostcallback._jax import ad, batching, ir, mlir, patches
+from hostcallback._native import outfeed
 from hostcallback._records.registry import registry
 from hostcallback._trace import keep_taps, sharded_lowering
 from hostcallback._trace.program_order import ordered_tap_effect, program_order_effect
@@ -33,10 +34,7 @@ outside_call_p.multiple_results = True
 patches.require_devices_during_lowering(outside_call_p)
 keep_taps.register_tap_primitive(outside_call_p)
 
-# emit_device: which local device ordinal enqueues (ALL_DEVICES: each that runs the tap).
-ALL_DEVICES = sharded_lowering.ALL_DEVICES
 PURE = CallbackFlavor.PURE.value  # JAX may drop such a callback when its result is unused
-REPLAYS = ("deliver", "mark", "skip")  # what a tap does when jax.checkpoint recomputes it
 _SKIPPED = "skipped"  # the replayed copy of a replays="skip" tap: lowers to nothing
 # shard_callback: the host callback a partitioned tap's shards call (callback transport), or none.
 NO_SHARD_CALLBACK = -1
@@ -49,7 +47,7 @@ def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
     """A tap (result_avals None: returns the leaves) or a call (returns arrays of result_avals)."""
     return outside_call_p.bind(*leaves, consumer_id=consumer_id, transport=transport,
                                ordered=ordered, device_index=device_index,
-                               emit_device=ALL_DEVICES, result_avals=result_avals,
+                               emit_device=outfeed.ALL_DEVICES, result_avals=result_avals,
                                timeout_s=timeout_s, flavor=flavor, vmap_method=vmap_method,
                                partitioned=partitioned, replays=replays,
                                shard_callback=NO_SHARD_CALLBACK)
@@ -309,4 +307,4 @@ def _lowering_passing_tokens_on(ctx, *args, platform, **params):
 
 register_lowering(outside_call_p, _lowering_passing_tokens_on, cacheable=False)
 
-__all__ = ["ALL_DEVICES", "bind", "outside_call_p"]
+__all__ = ["bind", "outside_call_p"]

@@ -22,12 +22,10 @@ from jax.experimental.custom_partitioning import SdyShardingRule, custom_partiti
 
 from hostcallback import _jax as jx
 from hostcallback._jax import ir, mlir
-from hostcallback._native import outfeed
 from hostcallback._records.registry import registry
 from hostcallback._trace.transport import emitter_for, register_lowering
 from hostcallback.flavors import CallbackFlavor
 
-ALL_DEVICES = outfeed.ALL_DEVICES  # emit_device: each device that runs the tap enqueues
 NO_LOCAL_DEVICE = -2  # emit_device: the chosen device belongs to another process
 
 

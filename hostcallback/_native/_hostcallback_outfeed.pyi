@@ -77,6 +77,7 @@ RECORD_SEQUENCE: Final = 2
 RECORD_FLAGS: Final = 3
 RECORD_LEAVES: Final = 4
 CALL_TIMEOUT_PREFIX: Final[str]
+CALL_FAILED_ELSEWHERE: Final[str]
 
 # ---- the FFI handlers, for jax.ffi.register_ffi_target -----------------------------------------
 

@@ -11,7 +11,8 @@
 
 namespace hostcallback {
 
-// ---- wire format (hostcallback/_records/wire.py decodes it; docs/wire-format.md) -----------------------
+// ---- wire format (hostcallback/_records/wire.py decodes it; docs/wire-format.md)
+// -----------------------
 
 inline constexpr uint32_t kMagic = 0x31424348;  // the bytes "HCB1"
 inline constexpr uint16_t kVersion = 1;
@@ -65,7 +66,8 @@ inline constexpr WireDtype kWireDtypes[] = {
     {25, "float8_e4m3fnuz"},
 };
 
-// ---- a decoded record: positions in the tuples drain() builds (hostcallback/_records/record_layout.py) --
+// ---- a decoded record: positions in the tuples drain() builds
+// (hostcallback/_records/record_layout.py) --
 
 inline constexpr int kRecordConsumerId = 0;
 inline constexpr int kRecordDeviceId = 1;

@@ -196,9 +196,7 @@ class CallFailures {
   std::string Reason(uint64_t consumer_id, uint32_t id) {
     std::lock_guard<std::mutex> lock(mu_);
     auto found = reasons_.find({consumer_id, id});
-    return found != reasons_.end() ? found->second
-                                   : "hostcallback: the call failed on a device of another "
-                                     "process (its log says why)";
+    return found != reasons_.end() ? found->second : kCallFailedElsewhere;
   }
 
  private:

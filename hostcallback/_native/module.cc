@@ -3,12 +3,12 @@
 //
 // The core as a whole is the device side of hostcallback: per-device outfeed queues and the XLA
 // FFI handlers. A handler runs on XLA's device thread. It copies the tapped buffers into one
-// record (header + payload, layout in docs/wire-format.md and hostcallback/_records/wire.py) and appends
-// it to that device's queue. It never runs Python and never takes the GIL. The receiver threads
-// in Python call drain(), which waits here with the GIL released, gathers a batch, and decodes
-// it here: each record comes out as (consumer id, device, sequence, flags, arrays), the arrays
-// read-only numpy views of the record's memory (no copy), barrier markers apart. Deciding what
-// to do with a record (which consumer, pytrees, errors, barriers) lives in Python.
+// record (header + payload, layout in docs/wire-format.md and hostcallback/_records/wire.py) and
+// appends it to that device's queue. It never runs Python and never takes the GIL. The receiver
+// threads in Python call drain(), which waits here with the GIL released, gathers a batch, and
+// decodes it here: each record comes out as (consumer id, device, sequence, flags, arrays), the
+// arrays read-only numpy views of the record's memory (no copy), barrier markers apart. Deciding
+// what to do with a record (which consumer, pytrees, errors, barriers) lives in Python.
 //
 // One job a file, each header stating the contract its .cc keeps:
 //   constants.h          what C++ and Python share: wire numbers, a drained record's fields,
@@ -374,9 +374,11 @@ void DefineModule(nb::module_& m) {
   m.def("enqueue_handed_over", &EnqueueHandedOver, nb::arg("device"), nb::arg("consumer_id"),
         nb::arg("leaves"), nb::arg("held_bytes"), nb::arg("platform") = kNativePlatform,
         "As enqueue, for a tap whose leaves are its ticket and whose arrays, held_bytes of them, "
-        "wait in Python under that ticket (FLAG_HANDED_OVER_IN_PYTHON, hostcallback._records.handover); "
+        "wait in Python under that ticket (FLAG_HANDED_OVER_IN_PYTHON, "
+        "hostcallback._records.handover); "
         "the queue's budget counts them until the record is drained.");
   m.attr("CALL_TIMEOUT_PREFIX") = kTimeoutPrefix;
+  m.attr("CALL_FAILED_ELSEWHERE") = kCallFailedElsewhere;
   m.def("call", &CallFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),
         nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
         "Enqueues a call record and waits (GIL released) for the host's answer: one uint8 array "
@@ -384,7 +386,8 @@ void DefineModule(nb::module_& m) {
   m.def("call_handed_over", &CallHandedOver, nb::arg("device"), nb::arg("consumer_id"),
         nb::arg("leaves"), nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
         "As call, for a call whose leaves are its ticket and whose answer the receiver hands "
-        "over in Python, under that ticket (FLAG_HANDED_OVER_IN_PYTHON, hostcallback._records.handover); "
+        "over in Python, under that ticket (FLAG_HANDED_OVER_IN_PYTHON, "
+        "hostcallback._records.handover); "
         "returns once it is there.");
   m.def("respond", &Respond, nb::arg("device"), nb::arg("sequence"), nb::arg("results"),
         nb::arg("platform") = kNativePlatform,

@@ -1,5 +1,5 @@
-// One tap record: its bytes (layout in docs/wire-format.md and hostcallback/_records/wire.py) and how
-// they are built from the tapped arrays.
+// One tap record: its bytes (layout in docs/wire-format.md and hostcallback/_records/wire.py) and
+// how they are built from the tapped arrays.
 #ifndef HOSTCALLBACK_NATIVE_RECORD_H_
 #define HOSTCALLBACK_NATIVE_RECORD_H_
 

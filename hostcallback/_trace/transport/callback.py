@@ -200,9 +200,7 @@ class _SharedCallFailures:
 
     def reason(self, consumer_id: int, failure_id: int) -> str:
         with self._lock:
-            return self._reasons.get((consumer_id, failure_id),
-                                     "hostcallback: the call failed on a device of another "
-                                     "process (its log says why)")
+            return self._reasons.get((consumer_id, failure_id), outfeed.CALL_FAILED_ELSEWHERE)
 
 
 _shared_call_failures = _SharedCallFailures()

@@ -27,6 +27,7 @@
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
+#include "record.h"
 
 namespace nb = nanobind;
 
@@ -119,39 +120,21 @@ constexpr size_t kReleaseGilBytes = size_t{64} << 10;
 size_t PackStep(uint8_t* out, const uint8_t* at, char kind, size_t size) {
   if (kind == 'b') return PackUnsigned(out, at[0] != 0);
   if (kind == 'u') {
-    uint64_t v = 0;
-    if (size == 1) v = at[0];
-    if (size == 2) {
-      uint16_t x;
-      std::memcpy(&x, at, 2);
-      v = x;
+    switch (size) {
+      case 1: return PackUnsigned(out, Get<uint8_t>(at));
+      case 2: return PackUnsigned(out, Get<uint16_t>(at));
+      case 4: return PackUnsigned(out, Get<uint32_t>(at));
+      case 8: return PackUnsigned(out, Get<uint64_t>(at));
+      default: return PackUnsigned(out, 0);
     }
-    if (size == 4) {
-      uint32_t x;
-      std::memcpy(&x, at, 4);
-      v = x;
-    }
-    if (size == 8) std::memcpy(&v, at, 8);
-    return PackUnsigned(out, v);
   }
-  int64_t v = 0;
-  if (size == 1) {
-    int8_t x;
-    std::memcpy(&x, at, 1);
-    v = x;
+  switch (size) {
+    case 1: return PackSigned(out, Get<int8_t>(at));
+    case 2: return PackSigned(out, Get<int16_t>(at));
+    case 4: return PackSigned(out, Get<int32_t>(at));
+    case 8: return PackSigned(out, Get<int64_t>(at));
+    default: return PackSigned(out, 0);
   }
-  if (size == 2) {
-    int16_t x;
-    std::memcpy(&x, at, 2);
-    v = x;
-  }
-  if (size == 4) {
-    int32_t x;
-    std::memcpy(&x, at, 4);
-    v = x;
-  }
-  if (size == 8) std::memcpy(&v, at, 8);
-  return PackSigned(out, v);
 }
 
 double WallClockSeconds() {  // what time.time() returns

@@ -262,22 +262,14 @@ std::string AwaitHandledFromPython(int device, double timeout_s, const std::stri
     handled = queue->WaitHandled(timeout_s);
   }
   switch (handled) {
-    case DeviceQueue::Handled::kYes:
-      return "handled";
-    case DeviceQueue::Handled::kStopped:
-      return "stopped";
-    case DeviceQueue::Handled::kFailed:
-      return "failed";
-    case DeviceQueue::Handled::kTimedOut:
-      return "timed out";
-    case DeviceQueue::Handled::kOwnReceiver:
-      return "own receiver";
-    case DeviceQueue::Handled::kReleased:
-      return "released";
-    case DeviceQueue::Handled::kInterrupted:
-      return "interrupted";
-    case DeviceQueue::Handled::kForked:
-      return "forked";
+    case DeviceQueue::Handled::kYes: return "handled";
+    case DeviceQueue::Handled::kStopped: return "stopped";
+    case DeviceQueue::Handled::kFailed: return "failed";
+    case DeviceQueue::Handled::kTimedOut: return "timed out";
+    case DeviceQueue::Handled::kOwnReceiver: return "own receiver";
+    case DeviceQueue::Handled::kReleased: return "released";
+    case DeviceQueue::Handled::kInterrupted: return "interrupted";
+    case DeviceQueue::Handled::kForked: return "forked";
   }
   return "handled";
 }

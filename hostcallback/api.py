@@ -8,11 +8,9 @@ time with an error that names the argument and says what to do instead.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import string
 import warnings
 from collections.abc import Callable, Iterator
-from itertools import repeat
 from typing import Any, TextIO
 
 import jax
@@ -20,65 +18,21 @@ import numpy as np
 from jax import tree_util
 
 from hostcallback import _jax as jx
-from hostcallback import config
-from hostcallback._host import printing, reentry
+from hostcallback._host import printing
 from hostcallback._host.receiver import receivers
-from hostcallback._native import outfeed
 from hostcallback._records import wire
-from hostcallback._records.registry import Consumer, EqualByKey, registry
-from hostcallback._trace import binding, transport
-from hostcallback.errors import UnsupportedDtypeError, name_of
-from hostcallback.flavors import REPLAYS, CallbackFlavor, check_vmap_method, flavor_of
+from hostcallback._records.registry import Consumer, EqualByKey
+from hostcallback.errors import name_of
+from hostcallback.flavors import CallbackFlavor, check_vmap_method, flavor_of
 from hostcallback.lifecycle import lifecycle
-
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
-
-
-def _leaf_to_array(path, leaf):
-    where = tree_util.keystr(path) or "the argument"
-    if not isinstance(leaf, _ARRAY_TYPES):
-        raise TypeError(
-            f"hostcallback can only tap arrays and numbers, but {where} is a "
-            f"{type(leaf).__name__} ({leaf!r:.60}). Pass it through functools.partial to the tap "
-            "function, or leave it out of the tapped value.")
-    # device_put, not jnp.asarray: for numpy values and Python numbers outside a trace,
-    # jnp.asarray compiles a computation of its own (an eager call would compile two).
-    array = leaf if isinstance(leaf, jax.Array) else jax.device_put(leaf)
-    try:
-        wire.dtype_code(array.dtype)
-    except UnsupportedDtypeError as error:
-        raise TypeError(f"{where}: {error}") from None
-    if array.ndim > wire.MAX_NDIM:
-        raise ValueError(
-            f"{where} has {array.ndim} dimensions; a tapped array can have at most "
-            f"{wire.MAX_NDIM} (numpy's limit on the host). Reshape it before tapping.")
-    return array
-
-
-def _refuse_pure_when_unused(flavor: CallbackFlavor, api: str, why: str) -> None:
-    """A PURE tap is dropped when its outputs are unused; where they never are, it never runs."""
-    if flavor is CallbackFlavor.PURE:
-        raise ValueError(
-            f"{api} with callback_flavor=PURE would never run: {why}, and JAX drops a PURE "
-            "callback whose outputs are unused. Use the default flavor (IO_CALLBACK), or DEBUG.")
-
-
-def _tap(consumer: Consumer, leaves, device_index: int, ordered: bool | None,
-         flavor: CallbackFlavor, **call_params):
-    if not isinstance(device_index, int) or device_index < 0:
-        raise ValueError(f"device_index must be a non-negative int, got {device_index!r}")
-    ordered = config.settings.ordered if ordered is None else bool(ordered)
-    if ordered and call_params.get("partitioned"):
-        raise ValueError(
-            "partitioned=True taps cannot also be ordered=True (HOSTCALLBACK_ORDERED=1 sets it "
-            "by default): each shard's tap runs in its own per-device computation. Pass "
-            "ordered=False.")
-    reentry.refuse_inside_consumer("a call" if "result_avals" in call_params else "a tap")
-    lifecycle.ensure_started()
-    outfeed.watch_interrupts()  # Ctrl-C reaches a computation that waits for the host
-    return binding.bind(
-        leaves, consumer_id=registry.register(consumer), transport=transport.default_transport(),
-        ordered=ordered, device_index=device_index, flavor=flavor.value, **call_params)
+from hostcallback.tapping import (
+    bind_tap,
+    check_arity,
+    flatten,
+    refuse_pure_when_unused,
+    tap_only_params,
+    unflatten,
+)
 
 
 def _accept_tap_with_transform(kwargs: dict) -> None:
@@ -88,32 +42,6 @@ def _accept_tap_with_transform(kwargs: dict) -> None:
         raise TypeError(
             "tap_with_transform=False is not supported: tap functions are always called as "
             "tap_func(arg, transforms). Ignore the second argument if you do not need it.")
-
-
-def _is_key_array(leaf) -> bool:
-    dtype = getattr(leaf, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _flatten(arg):
-    """The leaves to tap, their structure, and per leaf the PRNG implementation of a key array
-    (empty when there are none): a key travels as its key data and is a key again on the host."""
-    paths_and_leaves, treedef = tree_util.tree_flatten_with_path(arg)
-    key_impls = tuple(str(jax.random.key_impl(leaf)) if _is_key_array(leaf) else None
-                      for _, leaf in paths_and_leaves)
-    if not any(key_impls):
-        key_impls = ()
-    leaves = [_leaf_to_array(path, jax.random.key_data(leaf) if impl else leaf)
-              for (path, leaf), impl in zip(paths_and_leaves, key_impls or repeat(None))]
-    return leaves, treedef, key_impls
-
-
-def _unflatten(treedef, outs, key_impls: tuple):
-    """What a tap returns: its argument, with key arrays made keys again."""
-    if key_impls:
-        outs = [jax.random.wrap_key_data(out, impl=impl) if impl else out
-                for out, impl in zip(outs, key_impls)]
-    return tree_util.tree_unflatten(treedef, outs)
 
 
 def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
@@ -150,46 +78,21 @@ def id_tap(tap_func: Callable[..., Any], arg: Any, *, result: Any = None,
             "id_tap(functools.partial(tap_func, name=value), arg).)")
     if not callable(tap_func):
         raise TypeError(f"id_tap() needs a callable tap_func, got {type(tap_func).__name__}")
-    _check_arity(tap_func, "id_tap", 2, tap_with_device,
+    check_arity(tap_func, "id_tap", 2, tap_with_device,
                  "tap_func(arg, transforms" + (", device=d)" if tap_with_device else ")"),
                  "def tap_func(arg, transforms" + (", device):" if tap_with_device else "):")
                  + " ...  (a jax.debug.callback-style fn(x) becomes "
                  "lambda x, transforms: fn(x))")
     flavor = flavor_of(callback_flavor)
     if result is not None:
-        _refuse_pure_when_unused(flavor, "id_tap(..., result=...)", "it returns result, not the "
+        refuse_pure_when_unused(flavor, "id_tap(..., result=...)", "it returns result, not the "
                                  "tap's outputs")
-    leaves, treedef, key_impls = _flatten(arg)
+    leaves, treedef, key_impls = flatten(arg)
     consumer = Consumer(func=tap_func, treedef=treedef, with_device=tap_with_device,
                         name=getattr(tap_func, "__name__", ""), key_impls=key_impls)
-    outs = _tap(consumer, leaves, device_index, ordered, flavor,
-                **_tap_only_params(partitioned, replays))
-    return result if result is not None else _unflatten(treedef, outs, key_impls)
-
-
-def _check_arity(func: Callable[..., Any], api: str, positional: int, with_device: bool,
-                 called_as: str, right_form: str, keywords: tuple[str, ...] = ()) -> None:
-    """Refuses at trace time a function the receiver could not call, with the right form,
-    instead of an error at the next barrier. Functions without a signature are not checked."""
-    try:
-        signature = inspect.signature(func)
-    except (TypeError, ValueError):
-        return
-    bound_keywords = dict.fromkeys(keywords) | ({"device": None} if with_device else {})
-    try:
-        signature.bind(*([None] * positional), **bound_keywords)
-    except TypeError as error:
-        name = getattr(func, "__name__", type(func).__name__)
-        raise TypeError(
-            f"{api}() will call {called_as}, but {name}{signature} cannot be called that way "
-            f"({error}). Write it as {right_form}") from None
-
-
-def _tap_only_params(partitioned: bool, replays: str) -> dict:
-    if replays not in REPLAYS:
-        raise ValueError(f"replays must be one of {', '.join(map(repr, REPLAYS))}, "
-                         f"got {replays!r}")
-    return {"partitioned": bool(partitioned), "replays": replays}
+    outs = bind_tap(consumer, leaves, device_index, ordered, flavor,
+                **tap_only_params(partitioned, replays))
+    return result if result is not None else unflatten(treedef, outs, key_impls)
 
 
 class _Printer(EqualByKey):
@@ -253,23 +156,23 @@ def id_print(arg: Any, *fmt_args: Any, result: Any = None, tap_with_device: bool
                                    tap_with_device=tap_with_device, output_stream=output_stream,
                                    device_index=device_index, ordered=ordered,
                                    flavor=flavor_of(callback_flavor),
-                                   params=_tap_only_params(partitioned, replays))
+                                   params=tap_only_params(partitioned, replays))
     if fmt_args:
         raise TypeError(
             f"id_print() got {len(fmt_args)} extra positional argument(s) after a value that is "
             "not a format string. Tap several values as one pytree, id_print((x, y)), or pass a "
             'format string first: id_print("x={} y={}", x, y)')
     if result is not None:
-        _refuse_pure_when_unused(flavor_of(callback_flavor), "id_print(..., result=...)",
+        refuse_pure_when_unused(flavor_of(callback_flavor), "id_print(..., result=...)",
                                  "it returns result, not the tap's outputs")
-    leaves, treedef, key_impls = _flatten(arg)
+    leaves, treedef, key_impls = flatten(arg)
     printer = _Printer(output_stream, threshold, dict(kwargs))
     consumer = Consumer(func=printer, treedef=treedef, with_device=tap_with_device,
                         metadata=tuple(sorted((k, repr(v)) for k, v in kwargs.items())),
                         name=str(kwargs.get("what", "id_print")), key_impls=key_impls)
-    outs = _tap(consumer, leaves, device_index, ordered, flavor_of(callback_flavor),
-                **_tap_only_params(partitioned, replays))
-    return result if result is not None else _unflatten(treedef, outs, key_impls)
+    outs = bind_tap(consumer, leaves, device_index, ordered, flavor_of(callback_flavor),
+                **tap_only_params(partitioned, replays))
+    return result if result is not None else unflatten(treedef, outs, key_impls)
 
 
 def _check_format_fields(fmt: str, args: tuple, kwargs: dict) -> None:
@@ -295,14 +198,14 @@ def _id_print_formatted(fmt: str, args: tuple, kwargs: dict, *, result: Any,
                         tap_with_device: bool, output_stream: TextIO | None, device_index: int,
                         ordered: bool | None, flavor: CallbackFlavor, params: dict) -> Any:
     """Taps ``(args, kwargs)`` for a format string; the string itself stays on the host."""
-    _refuse_pure_when_unused(flavor, "id_print with a format string", "its outputs are never "
+    refuse_pure_when_unused(flavor, "id_print with a format string", "its outputs are never "
                              "returned")
     _check_format_fields(fmt, args, kwargs)
-    leaves, treedef, key_impls = _flatten((tuple(args), dict(kwargs)))
+    leaves, treedef, key_impls = flatten((tuple(args), dict(kwargs)))
     consumer = Consumer(func=_FormatPrinter(fmt, output_stream), treedef=treedef,
                         with_device=tap_with_device, name="id_print",
                         metadata=(("format", fmt),), key_impls=key_impls)
-    _tap(consumer, leaves, device_index, ordered, flavor, **params)
+    bind_tap(consumer, leaves, device_index, ordered, flavor, **params)
     return result
 
 
@@ -418,14 +321,14 @@ def _call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any,
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
     if not isinstance(callback_func, _CallWithArgs):
-        _check_arity(callback_func, "call", 1, call_with_device,
+        check_arity(callback_func, "call", 1, call_with_device,
                      "callback_func(arg" + (", device=d)" if call_with_device else ")"),
                      "def callback_func(arg" + (", device):" if call_with_device else "):")
                      + " ...  (pack several arguments into one pytree: call(f, (x, y)) calls "
                      "f((x, y)))")
     flavor = flavor_of(callback_flavor)
     check_vmap_method(vmap_method)
-    leaves, treedef, key_impls = _flatten(arg)
+    leaves, treedef, key_impls = flatten(arg)
     result_treedef, result_avals = _result_spec(result_shape)
     if flavor is CallbackFlavor.DEBUG and result_avals:
         raise ValueError(
@@ -438,9 +341,9 @@ def _call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any,
                         jax_api=jax_api)
     if flavor is CallbackFlavor.DEBUG:
         # Nothing comes back, so the device does not wait: the record travels as a tap does.
-        _tap(consumer, leaves, device_index, ordered, flavor)
+        bind_tap(consumer, leaves, device_index, ordered, flavor)
         return None
-    outs = _tap(consumer, leaves, device_index, ordered, flavor,
+    outs = bind_tap(consumer, leaves, device_index, ordered, flavor,
                 result_avals=tuple(jx.ShapedArray(shape, dtype) for shape, dtype in result_avals),
                 timeout_s=float(timeout or 0.0), vmap_method=vmap_method)
     return None if result_shape is None else tree_util.tree_unflatten(result_treedef, outs)
@@ -506,7 +409,7 @@ def _checked_callback(api: str, callback: Any, sharding: Any, args: tuple,
             "hostcallback.call(..., device_index=i)")
     if not callable(callback):
         raise TypeError(f"{api}() needs a callable, got {type(callback).__name__}")
-    _check_arity(callback, api, len(args), False,
+    check_arity(callback, api, len(args), False,
                  f"callback(*args, **kwargs) with {len(args)} argument(s)"
                  + (f" and keyword(s) {', '.join(sorted(kwargs))}" if kwargs else ""),
                  "a function that takes the arguments given after result_shape_dtypes",

@@ -19,10 +19,10 @@ import jax
 import numpy as np
 from jax import tree_util
 
-from hostcallback import api
 from hostcallback._records.registry import Consumer, EqualByKey
 from hostcallback.flavors import CallbackFlavor
 from hostcallback.lifecycle import lifecycle
+from hostcallback.tapping import bind_tap, flatten, tap_only_params
 
 __all__ = ["HostArray", "callback", "effects_barrier", "print"]
 
@@ -109,12 +109,12 @@ def _tap_arguments(function: _Unbatching, args: tuple, kwargs: dict, ordered: bo
     leaves, in_tree = tree_util.tree_flatten((args, kwargs))
     static = {i: leaf for i, leaf in enumerate(leaves) if not _is_array_like(leaf)}
     dynamic = [leaf for i, leaf in enumerate(leaves) if i not in static]
-    flat, treedef, key_impls = api._flatten(tuple(dynamic))
+    flat, treedef, key_impls = flatten(tuple(dynamic))
     # Key arrays travel as their key data and become keys again per batch element.
     function.bind_layout(in_tree, static, key_impls)
     consumer = Consumer(func=function, treedef=treedef, name=name)
-    api._tap(consumer, flat, 0, bool(ordered), CallbackFlavor.DEBUG,
-             **api._tap_only_params(partitioned, "deliver"))
+    bind_tap(consumer, flat, 0, bool(ordered), CallbackFlavor.DEBUG,
+             **tap_only_params(partitioned, "deliver"))
 
 
 def _is_array_like(leaf: Any) -> bool:

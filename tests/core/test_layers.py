@@ -21,6 +21,7 @@ LAYERS = [
     ("what both sides share", ["hostcallback._records"]),
     ("the two sides of a tap", ["hostcallback._trace", "hostcallback._host"]),
     ("start, barrier and stop", ["hostcallback.lifecycle"]),
+    ("building a tap", ["hostcallback.tapping"]),
     ("the public API", ["hostcallback.api", "hostcallback.addons", "hostcallback.testing",
                         "hostcallback.debug", "hostcallback"]),
     ("add-ons", ["hostcallback.consumer"]),
@@ -101,8 +102,8 @@ def test_the_package_shows_its_sides_as_folders():
     assert {"_trace", "_host", "_records"} <= top
     loose = sorted(name for name in top if name.endswith(".py"))
     assert loose == ["__init__.py", "__main__.py", "addons.py", "api.py", "config.py",
-                     "debug.py", "errors.py", "flavors.py", "lifecycle.py", "testing.py",
-                     "versions.py"]
+                     "debug.py", "errors.py", "flavors.py", "lifecycle.py", "tapping.py",
+                     "testing.py", "versions.py"]
 
 
 def test_there_is_no_import_cycle():
@@ -149,3 +150,42 @@ def test_the_compiled_core_imports_no_python_module_of_ours():
                  for line in path.read_text().splitlines()
                  if 'import_("hostcallback' in line.replace(" ", "")]
     assert sources and not importing, "\n".join(importing)
+
+
+def private_names_used_across_modules(name: str, path: pathlib.Path, known: set[str]) -> list[str]:
+    """``from module import _name`` and ``module._name`` where module is another of ours (a
+    package's own private submodules, such as the compiled core, are its own)."""
+    tree = ast.parse(path.read_text())
+    ours: dict[str, str] = {}  # a local name bound to one of our modules
+    used = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module in known:
+            for alias in node.names:
+                module = f"{node.module}.{alias.name}"
+                if module in known:
+                    ours[alias.asname or alias.name] = module
+                elif (alias.name.startswith("_") and not alias.name.startswith("__")
+                      and node.module != name):
+                    used.append(f"from {node.module} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname and alias.name in known:
+                    ours[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in ours and node.attr.startswith("_")
+                and not node.attr.startswith("__") and f"{ours[node.value.id]}.{node.attr}"
+                not in known):
+            used.append(f"{node.value.id}.{node.attr}")
+    return used
+
+
+def test_no_module_uses_another_modules_private_names():
+    """(The seam, hostcallback._jax, reaches into JAX's internals by design: JAX's names, not
+    ours, so it is left out here.)"""
+    found = modules()
+    known = set(found)
+    offenders = [f"{name}: {use}" for name, path in found.items()
+                 if not name.startswith("hostcallback._jax")
+                 for use in private_names_used_across_modules(name, path, known)]
+    assert not offenders, "\n".join(offenders)

@@ -124,6 +124,18 @@ class Lifecycle:
         if self._pool.start():
             atexit.register(self._at_exit)  # first: exit must deliver even if the next fails
             self._dispatcher.start()
+            self._dispatcher.submit(self._compile_markers)
+
+    def _compile_markers(self) -> None:
+        """On the dispatcher thread, right after the start: compiles the barrier's marker
+        computations by sending markers no barrier waits for. Exit's barrier sends its markers
+        from this thread too, and one that gives up must not leave the thread compiling inside
+        jaxlib when the interpreter finalizes: CPython ends a thread that takes the GIL back then,
+        and that ending aborts the process from inside jaxlib."""
+        try:
+            self._send_markers(_UNAWAITED_MARKER)
+        except Exception:  # noqa: BLE001 - a barrier that needs them says what fails
+            logger.debug("hostcallback: compiling the barrier's markers failed", exc_info=True)
 
     # ---- barrier ----
 
@@ -340,6 +352,10 @@ class Lifecycle:
             logger.error("hostcallback: %d tap consumer(s) raised and no barrier_wait reported it",
                          self._pool.failures.count)
 
+
+# The value of the markers _compile_markers sends: barriers wait for 4, 8, 12, ... and the next
+# value of each, never for 0 or 1.
+_UNAWAITED_MARKER = 0
 
 # A probe sums this many elements: XLA's CPU client runs a computation of fewer than 1000
 # floating-point operations inline, while it is dispatched, and a probe must not.

@@ -17,13 +17,15 @@ thread_local std::string t_last_interruption;
 std::atomic<bool> g_interrupt_noted{false};
 struct sigaction g_python_handler;  // what ours chains to; written before ours is installed
 
+// Python's handler first: a wait that sees the note (on another thread: the signal may be
+// delivered to any) must find Python's pending signal when it looks.
 void NoteInterrupt(int signum, siginfo_t* info, void* context) {
-  g_interrupt_noted.store(true);
   if (g_python_handler.sa_flags & SA_SIGINFO) {
     g_python_handler.sa_sigaction(signum, info, context);
   } else if (g_python_handler.sa_handler != SIG_DFL && g_python_handler.sa_handler != SIG_IGN) {
     g_python_handler.sa_handler(signum);
   }
+  g_interrupt_noted.store(true);
 }
 }  // namespace
 

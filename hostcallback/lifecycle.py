@@ -332,8 +332,14 @@ class Lifecycle:
         timeout = config.settings.exit_timeout_s
         start = time.monotonic()
         deadline = start + timeout
-        # After a Ctrl-C the user is waiting to leave: say at once what is left and how to skip it.
-        notice_after = 0.0 if _ended_by_ctrl_c() else _EXIT_NOTICE_SECONDS
+        # After a Ctrl-C the user is waiting to leave: say at once what is left and how to skip
+        # it, and take a computation that shows nothing for a second for one the Ctrl-C ended
+        # (a KeyboardInterrupt raised in a JAX callback fails it where no handler of ours sees).
+        notice_after = _EXIT_NOTICE_SECONDS
+        if _ended_by_ctrl_c() or 0 <= outfeed.seconds_since_interrupt() < _RECENT_CTRL_C_SECONDS:
+            notice_after = 0.0
+            self._pool.presumed_failed_s = _PRESUMED_FAILED_AFTER_CTRL_C
+
         try:
             undelivered = self.stop(timeout=timeout, notice_after=notice_after)
         except KeyboardInterrupt:
@@ -352,6 +358,14 @@ class Lifecycle:
             logger.error("hostcallback: %d tap consumer(s) raised and no barrier_wait reported it",
                          self._pool.failures.count)
 
+
+# A Ctrl-C this recent caused the exit, also where its KeyboardInterrupt became a computation's
+# error (raised in a JAX callback) rather than the program's.
+_RECENT_CTRL_C_SECONDS = 10.0
+
+# At an exit that Ctrl-C caused: how long a device may show nothing new while a computation that
+# began has not ended before exit takes it for one the Ctrl-C failed.
+_PRESUMED_FAILED_AFTER_CTRL_C = 1.0
 
 # The value of the markers _compile_markers sends: barriers wait for 4, 8, 12, ... and the next
 # value of each, never for 0 or 1.

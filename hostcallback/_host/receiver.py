@@ -138,6 +138,9 @@ class ReceiverPool:
         self.exiting = False  # interpreter exit has begun: Ctrl-C in a consumer interrupts no one
         self._abandoned = False  # exit was told to leave the queued records (a second Ctrl-C)
         self.forked = False  # this process is a fork() child of the one that started them
+        # How long a device that shows nothing new may hold a computation that began and never
+        # ended before waits take it for failed (shorter at an exit that Ctrl-C caused).
+        self.presumed_failed_s = _PRESUMED_FAILED_SECONDS
         self._local = threading.local()
         self._batches: dict[QueueKey, list | None] = {}  # each receiver's batch being delivered
         self._contexts: dict[QueueKey, Any] = {}  # each receiver's record context
@@ -515,7 +518,7 @@ class ReceiverPool:
                         "happening on that device for %g s, never reached their end: taken for "
                         "failed (an error outside hostcallback's handlers, such as a JAX "
                         "callback that raised); barriers no longer wait for them", abandoned,
-                        self._devices[key], _PRESUMED_FAILED_SECONDS)
+                        self._devices[key], self.presumed_failed_s)
                     continue
                 following = now["oldest_running"] < limit[key] and (
                     now["running"] > 0 or 0 <= now["seconds_since_end"] < follow_s)
@@ -531,10 +534,9 @@ class ReceiverPool:
                 notice.say()
             time.sleep(_COMPUTATIONS_POLL_SECONDS)
 
-    @staticmethod
-    def _stalled(key: QueueKey, now: dict, last_seen: dict) -> bool:
+    def _stalled(self, key: QueueKey, now: dict, last_seen: dict) -> bool:
         """Whether the device has shown nothing new (computations begun or ended, records
-        enqueued or delivered) for _PRESUMED_FAILED_SECONDS."""
+        enqueued or delivered) for presumed_failed_s."""
         stats = outfeed.stats(key[1], platform=key[0])
         shown = (now["begun"], now["oldest_running"], now["running"],
                  stats["records_enqueued"], stats["records_delivered"])
@@ -542,7 +544,7 @@ class ReceiverPool:
         if shown != seen:
             last_seen[key] = (shown, time.monotonic())
             return False
-        return time.monotonic() - since >= _PRESUMED_FAILED_SECONDS
+        return time.monotonic() - since >= self.presumed_failed_s
 
     def platform_groups(self) -> dict[str, list]:
         groups: dict[str, list] = {}

@@ -69,6 +69,9 @@ int64_t DeviceQueue::Push(Record record, bool expects_response, bool urgent, dou
       not_full_.notify_all();  // those behind this ticket may go in now
       return interrupted.empty() ? kTimedOut : kInterrupted;
     }
+    // Admitted as the handler raised: the record goes in, and the next wait of this thread
+    // looks at the signal again at once (Python's KeyboardInterrupt is pending again).
+    if (!interrupted.empty()) NoteInterrupt();
   }
   if (closed_) return kClosed;
   const uint64_t sequence = next_sequence_;
@@ -287,8 +290,8 @@ DeviceQueue::Handled DeviceQueue::WaitHandled(uint64_t target, double timeout_s,
   std::string interrupted;
   WaitInterruptibly(handled_cv_, lock, timeout_s, done, &interrupted);
   fences_waiting_ -= 1;
+  if (!interrupted.empty()) return Handled::kInterrupted;  // even if handled meanwhile
   if (handled_ >= target) return Handled::kYes;
-  if (!interrupted.empty()) return Handled::kInterrupted;
   if (!failure_.empty()) return Handled::kFailed;
   return closed_ ? Handled::kStopped : Handled::kTimedOut;
 }

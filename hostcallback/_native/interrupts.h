@@ -29,6 +29,13 @@ void WatchInterrupts();
 // Whether a SIGINT came since the last call (then it forgets it).
 bool TakeInterruptNote();
 
+// Seconds since the last SIGINT our handler saw; -1 before the first.
+double SecondsSinceInterrupt();
+
+// Notes one as the signal handler does, for a wait that ended without failing on an interruption
+// it saw: the next wait looks at Python's signals at once.
+void NoteInterrupt();
+
 // Whether this is the thread that runs Python's signal handlers.
 bool OnMainThread();
 
@@ -44,7 +51,9 @@ const std::string& LastInterruption();
 // Waits on cv with `lock` held until done(), for at most timeout_s (WaitsForever: no limit), as
 // cv.wait_for does; on the main thread it looks at Python's signals (CheckSignals, `lock`
 // released) every kInterruptCheckSeconds, and a handler that raised ends the wait with
-// *interrupted set. Returns done().
+// *interrupted set. Returns done(); a caller takes *interrupted for the outcome even when done()
+// holds too, since the handler's exception was taken from Python (it is pending again only for a
+// KeyboardInterrupt) and no later wait may be long enough to see it.
 template <class Done>
 bool WaitInterruptibly(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
                        double timeout_s, Done done, std::string* interrupted) {

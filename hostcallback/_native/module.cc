@@ -433,6 +433,9 @@ void DefineModule(nb::module_& m) {
         "Interpreter exit has given up waiting: from now on a tap that finds its queue closed "
         "is dropped and counted (dropped_at_exit) instead of failing its computation.");
   m.def("dropped_at_exit", &DroppedAtExit);
+  m.def("seconds_since_interrupt", &SecondsSinceInterrupt,
+        "Seconds since the last SIGINT (Ctrl-C) the handler watch_interrupts() put in place saw; "
+        "-1 before the first.");
   m.def("watch_interrupts", &WatchInterrupts,
         "Puts a SIGINT handler in front of Python's (where Python handles SIGINT and it is not "
         "there yet) so that Ctrl-C ends a wait of the main thread for the host at once.");

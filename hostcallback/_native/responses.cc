@@ -48,7 +48,9 @@ std::string Responses::Wait(Key key, double timeout_s, Response* out, double cal
   auto answered = [&] { return closed_ || entry->second.answered || failed_.count(key.first) > 0; };
   std::string interrupted;
   WaitInterruptibly(cv_, lock, timeout_s, answered, &interrupted);
-  const bool got = entry->second.answered;
+  // A handler that raised ends the call even if its answer came meanwhile: the interruption
+  // is what the computation must see, not the next call's.
+  const bool got = entry->second.answered && interrupted.empty();
   if (got) *out = std::move(entry->second.response);
   table_.erase(entry);
   if (got) return "";

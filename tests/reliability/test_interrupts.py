@@ -72,11 +72,12 @@ def test_a_first_ctrl_c_ends_a_long_scan_of_calls_at_once(transport):
     took = time.monotonic() - sent
     assert took < 5, f"ended {took:.1f} s after Ctrl-C"
     assert stdout == ""
-    assert "interrupted (KeyboardInterrupt)" in stderr
     if transport == "native":  # it ends as Python ends a program on a KeyboardInterrupt
+        assert "interrupted (KeyboardInterrupt)" in stderr
         assert child.returncode == -signal.SIGINT, stderr
         assert "KeyboardInterrupt" in stderr.splitlines(), stderr
     else:  # as with JAX's own callbacks: the computation's error is the KeyboardInterrupt
+        # (raised in the call's wait, which says so, or in JAX's code around it)
         assert child.returncode == 1, stderr
         assert "JaxRuntimeError: INTERNAL: CpuCallback error" in stderr
         assert "KeyboardInterrupt" in stderr

@@ -483,4 +483,15 @@ std::string WhyNotEnqueued(DeviceQueue* queue, int64_t pushed, double timeout_s)
   return queue->ClosedReason();
 }
 
+std::string WhyTapsNotHandled(DeviceQueue* queue, DeviceQueue::Handled handled) {
+  switch (handled) {
+    case DeviceQueue::Handled::kFailed: return queue->ClosedReason();
+    case DeviceQueue::Handled::kForked: return kForkedMessage;
+    case DeviceQueue::Handled::kInterrupted:
+      return "hostcallback: the computation was " + LastInterruption() +
+             " while it waited for its taps to be handled";
+    default: return "";
+  }
+}
+
 }  // namespace hostcallback

@@ -275,6 +275,10 @@ int64_t Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews
 
 std::string WhyNotEnqueued(DeviceQueue* queue, int64_t pushed, double timeout_s);
 
+// Why a computation's taps were not all handled, by what AwaitTaps found: the queue's failure, a
+// fork, an interruption; the empty string where that is no error (handled, stopped, released).
+std::string WhyTapsNotHandled(DeviceQueue* queue, DeviceQueue::Handled handled);
+
 }  // namespace hostcallback
 
 #endif  // HOSTCALLBACK_NATIVE_DEVICE_QUEUE_H_

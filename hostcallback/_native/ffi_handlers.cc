@@ -28,7 +28,6 @@
 
 #include "constants.h"
 #include "device_queue.h"
-#include "interrupts.h"
 #include "record.h"
 #include "responses.h"
 #include "timeouts.h"
@@ -80,16 +79,8 @@ constexpr size_t kArraysOnStack = 16;
 // Waits until the device's receiver has handled every tap enqueued so far (see AwaitTaps);
 // fails only when the receiver died (a stopped one waits no longer).
 ffi::Error AwaitTapsHandled(DeviceQueue* queue) {
-  const DeviceQueue::Handled handled = queue->AwaitTaps(kTapPatienceSeconds);
-  if (handled == DeviceQueue::Handled::kFailed) {
-    return ffi::Error::Internal(queue->ClosedReason());
-  }
-  if (handled == DeviceQueue::Handled::kForked) return ffi::Error::Internal(kForkedMessage);
-  if (handled == DeviceQueue::Handled::kInterrupted) {
-    return ffi::Error::Internal("hostcallback: the computation was " + LastInterruption() +
-                                " while it waited for its taps to be handled");
-  }
-  return ffi::Error::Success();
+  const std::string why = WhyTapsNotHandled(queue, queue->AwaitTaps(kTapPatienceSeconds));
+  return why.empty() ? ffi::Error::Success() : ffi::Error::Internal(why);
 }
 
 // emit_device >= 0: only that device enqueues (a whole-value tap lowered on every device).

@@ -69,28 +69,23 @@ bool WaitInterruptibly(std::condition_variable& cv, std::unique_lock<std::mutex>
   const auto deadline =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(
                          std::chrono::duration<double>(forever ? 0.0 : timeout_s));
+  // Python's handlers run with `lock` released; true, with *interrupted set, when one raised.
+  auto handler_raised = [&] {
+    lock.unlock();
+    std::string why = CheckSignals();
+    lock.lock();
+    if (why.empty()) return false;
+    *interrupted = why;
+    return true;
+  };
   while (true) {
-    if (TakeInterruptNote()) {
-      lock.unlock();
-      std::string why = CheckSignals();
-      lock.lock();
-      if (!why.empty()) {
-        *interrupted = why;
-        return done();
-      }
-    }
+    if (TakeInterruptNote() && handler_raised()) return done();
     if (done()) return true;
     auto until = Clock::now() + check_every;
     if (!forever && deadline < until) until = deadline;
     if (cv.wait_until(lock, until, done)) return true;
     if (!forever && Clock::now() >= deadline) return false;
-    lock.unlock();
-    std::string why = CheckSignals();
-    lock.lock();
-    if (!why.empty()) {
-      *interrupted = why;
-      return done();
-    }
+    if (handler_raised()) return done();
   }
 }
 

@@ -283,11 +283,7 @@ std::string AwaitTapsFromPython(int device, const std::string& platform) {
     GilReleased released;
     handled = queue->AwaitTaps(kTapPatienceSeconds);
   }
-  if (handled == DeviceQueue::Handled::kInterrupted) {
-    return "hostcallback: " + LastInterruption() + " while waiting for taps to be handled";
-  }
-  if (handled == DeviceQueue::Handled::kForked) return kForkedMessage;
-  return handled == DeviceQueue::Handled::kFailed ? queue->ClosedReason() : "";
+  return WhyTapsNotHandled(queue, handled);
 }
 
 nb::dict ComputationsOf(int device, const std::string& platform) {

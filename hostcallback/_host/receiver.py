@@ -80,6 +80,14 @@ def devices_to_receive(default_devices: list, native_devices: list) -> list:
     return out
 
 
+def cuda_device_ids(devices: list) -> list[int]:
+    """The global id of each local CUDA device by its ordinal (``local_hardware_id``, what XLA
+    hands the GPU tap handler), -1 where an ordinal is not among them."""
+    ordinals = {d.local_hardware_id: d.id for d in devices
+                if d.platform == "gpu" and d.local_hardware_id is not None}
+    return [ordinals.get(i, -1) for i in range(max(ordinals, default=-1) + 1)]
+
+
 def _native_platform_devices() -> list:
     try:
         return jax.local_devices(backend=outfeed.NATIVE_PLATFORM)
@@ -164,6 +172,7 @@ class ReceiverPool:
             if self._threads:
                 return False
             outfeed.set_max_queue_bytes(config.settings.max_queue_bytes)
+            outfeed.set_cuda_device_ids(cuda_device_ids(jax.local_devices()))
             for device in devices_to_receive(jax.local_devices(), _native_platform_devices()):
                 key = queue_key(device)  # device.id is what XLA hands the FFI handler
                 self._devices[key] = device

@@ -5,6 +5,8 @@
 
 #include <cstdlib>
 
+#include "pinned_pool.h"
+
 namespace hostcallback {
 
 std::atomic<uint64_t> g_max_queue_bytes{256ull << 20};
@@ -165,7 +167,9 @@ ReleasedRecords::~ReleasedRecords() {
 }  // namespace
 
 void ReleaseRecord(const Record& record) noexcept {
-  if (t_drains && !record.outside_pool && record.capacity < BufferPool::kSizeClassesFrom) {
+  if (record.pinned) {
+    g_pinned_pool.Put(record.data, record.capacity);
+  } else if (t_drains && !record.outside_pool && record.capacity < BufferPool::kSizeClassesFrom) {
     t_released.Add(record);
   } else {
     g_pool.Put(record.data, record.capacity, record.outside_pool);

@@ -83,6 +83,8 @@ inline constexpr int64_t kAllDevices = -1;
 
 // Where our FFI handlers are registered, and the queues the native handlers use.
 inline constexpr char kNativePlatform[] = "cpu";
+// The platform JAX names a CUDA device by (Device.platform), whose queues the GPU tap fills.
+inline constexpr char kGpuPlatform[] = "gpu";
 
 }  // namespace hostcallback
 

@@ -47,49 +47,22 @@ void RecordRing::Grow() {
 
 // ---- one queue --------------------------------------------------------------------------------
 
-int64_t DeviceQueue::Push(Record record, bool expects_response, bool urgent, double timeout_s) {
-  std::unique_lock<std::mutex> lock(mu_);
-  const uint64_t ticket = next_ticket_++;
-  auto admitted = [&] { return closed_ || (ticket <= admitted_ && Fits(BudgetBytes(record))); };
-  if (!admitted()) {
-    auto start = std::chrono::steady_clock::now();
-    stats_.producers_waiting += 1;
-    // A receiver that is gathering a batch must not keep a full queue waiting.
-    if (receivers_waiting_ > 0) not_empty_.notify_all();
-    std::string interrupted;
-    const bool in = WaitInterruptibly(not_full_, lock, timeout_s, admitted, &interrupted);
-    stats_.producers_waiting -= 1;
-    stats_.waits += 1;
-    stats_.wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                          std::chrono::steady_clock::now() - start)
-                          .count();
-    if (!in) {
-      GiveUp(ticket);
-      lock.unlock();
-      not_full_.notify_all();  // those behind this ticket may go in now
-      return interrupted.empty() ? kTimedOut : kInterrupted;
-    }
-    // Admitted as the handler raised: the record goes in, and the next wait of this thread
-    // looks at the signal again at once (Python's KeyboardInterrupt is pending again).
-    if (!interrupted.empty()) NoteInterrupt();
-  }
-  if (closed_) return kClosed;
+template <typename OnJoined>
+int64_t DeviceQueue::Join(std::unique_lock<std::mutex>& lock, Record& record, bool expects_response,
+                          bool urgent, OnJoined on_joined) {
   const uint64_t sequence = next_sequence_;
   try {
     if (expects_response) g_responses.Expect({this, sequence});
     Put<uint64_t>(record.data + kSequenceOffset, sequence);
     record.urgent = urgent;
     records_.push_back(record);
-  } catch (...) {  // out of memory: nothing joined, and the line behind this ticket moves on
+  } catch (...) {
     if (expects_response) g_responses.Forget({this, sequence});
-    GiveUp(ticket);
-    lock.unlock();
-    not_full_.notify_all();
     throw;
   }
   next_sequence_ += 1;
   if (!expects_response && !IsBarrierMarker(record)) taps_below_ = next_sequence_;
-  Admit(ticket);
+  on_joined();
   (IsBarrierMarker(record) ? stats_.markers_enqueued : stats_.records_enqueued) += 1;
   stats_.bytes_enqueued += BudgetBytes(record);
   stats_.bytes_queued += BudgetBytes(record);
@@ -104,6 +77,88 @@ int64_t DeviceQueue::Push(Record record, bool expects_response, bool urgent, dou
   if (wake) not_empty_.notify_all();        // one receiver per queue: all is one
   if (others_wait) not_full_.notify_all();  // the next in line may fit now
   return static_cast<int64_t>(sequence);
+}
+
+int64_t DeviceQueue::WaitForRoom(std::unique_lock<std::mutex>& lock, uint64_t ticket,
+                                 uint64_t bytes, double timeout_s) {
+  auto admitted = [&] { return closed_ || (ticket <= admitted_ && Fits(bytes)); };
+  if (admitted()) return 0;
+  auto start = std::chrono::steady_clock::now();
+  stats_.producers_waiting += 1;
+  // A receiver that is gathering a batch must not keep a full queue waiting.
+  if (receivers_waiting_ > 0) not_empty_.notify_all();
+  std::string interrupted;
+  const bool in = WaitInterruptibly(not_full_, lock, timeout_s, admitted, &interrupted);
+  stats_.producers_waiting -= 1;
+  stats_.waits += 1;
+  stats_.wait_ns +=
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count();
+  if (!in) {
+    GiveUp(ticket);
+    lock.unlock();
+    not_full_.notify_all();  // those behind this ticket may go in now
+    return interrupted.empty() ? kTimedOut : kInterrupted;
+  }
+  // Admitted as the handler raised: the record goes in, and the next wait of this thread
+  // looks at the signal again at once (Python's KeyboardInterrupt is pending again).
+  if (!interrupted.empty()) NoteInterrupt();
+  return 0;
+}
+
+int64_t DeviceQueue::Push(Record record, bool expects_response, bool urgent, double timeout_s) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const uint64_t ticket = next_ticket_++;
+  if (int64_t waited = WaitForRoom(lock, ticket, BudgetBytes(record), timeout_s); waited < 0) {
+    return waited;
+  }
+  if (closed_) return kClosed;
+  try {
+    return Join(lock, record, expects_response, urgent, [&] { Admit(ticket); });
+  } catch (...) {  // out of memory: nothing joined, and the line behind this ticket moves on
+    GiveUp(ticket);
+    lock.unlock();
+    not_full_.notify_all();
+    throw;
+  }
+}
+
+int64_t DeviceQueue::Reserve(uint64_t bytes) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const uint64_t ticket = next_ticket_++;
+  if (int64_t waited = WaitForRoom(lock, ticket, bytes, 0); waited < 0) return waited;
+  if (closed_) return kClosed;
+  reserved_bytes_ += bytes;
+  Admit(ticket);
+  const bool others_wait = stats_.producers_waiting > 0;
+  lock.unlock();
+  if (others_wait) not_full_.notify_all();  // the next in line may fit too
+  return 0;
+}
+
+void DeviceQueue::CancelReservation(uint64_t bytes) noexcept {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    reserved_bytes_ -= bytes;
+  }
+  not_full_.notify_all();
+}
+
+int64_t DeviceQueue::Commit(Record record, uint64_t reserved) {
+  std::unique_lock<std::mutex> lock(mu_);
+  reserved_bytes_ -= reserved;
+  if (closed_) {
+    lock.unlock();
+    not_full_.notify_all();
+    return kClosed;
+  }
+  try {
+    return Join(lock, record, false, IsBarrierMarker(record), [] {});
+  } catch (...) {  // out of memory: the reservation is given back, the record stays the caller's
+    lock.unlock();
+    not_full_.notify_all();
+    throw;
+  }
 }
 
 std::vector<Record> DeviceQueue::Pop(size_t max_records, size_t max_bytes, double timeout_s,
@@ -367,8 +422,8 @@ void DeviceQueue::GiveUp(uint64_t ticket) {
 }
 
 bool DeviceQueue::Fits(size_t size) const {
-  return stats_.bytes_queued == 0 ||
-         stats_.bytes_queued + size <= g_max_queue_bytes.load(std::memory_order_relaxed);
+  const uint64_t held = stats_.bytes_queued + reserved_bytes_;
+  return held == 0 || held + size <= g_max_queue_bytes.load(std::memory_order_relaxed);
 }
 
 // ---- the queue table --------------------------------------------------------------------------
@@ -405,15 +460,30 @@ DeviceQueue* LookUpQueue(const std::string& platform, int device) {
   return q;
 }
 
-DeviceQueue* NativeQueueFor(int device) {
-  std::atomic<DeviceQueue*>& slot =
-      g_native_queues[static_cast<unsigned>(device) % kNativeQueueSlots];
+namespace {
+
+// A slot's queue, or the queue of (platform, device) put in that slot.
+DeviceQueue* CachedQueue(std::atomic<DeviceQueue*>& slot, const char* platform, int device) {
   DeviceQueue* q = slot.load(std::memory_order_acquire);
   if (q == nullptr || q->device != device) {
-    q = LookUpQueue(kNativePlatform, device);
+    q = LookUpQueue(platform, device);
     slot.store(q, std::memory_order_release);
   }
   return q;
+}
+
+std::atomic<DeviceQueue*> g_gpu_queues[kNativeQueueSlots];
+
+}  // namespace
+
+DeviceQueue* NativeQueueFor(int device) {
+  return CachedQueue(g_native_queues[static_cast<unsigned>(device) % kNativeQueueSlots],
+                     kNativePlatform, device);
+}
+
+DeviceQueue* GpuQueueFor(int device) {
+  return CachedQueue(g_gpu_queues[static_cast<unsigned>(device) % kNativeQueueSlots], kGpuPlatform,
+                     device);
 }
 
 void SetAllClosed(bool closed) {
@@ -440,6 +510,12 @@ bool InForkedChild() { return g_forked_child.load(std::memory_order_relaxed); }
 
 uint64_t DroppedAtExit() { return g_dropped_at_exit.load(); }
 
+bool DropAtExit() {
+  if (!g_exiting.load()) return false;
+  g_dropped_at_exit.fetch_add(1);
+  return true;
+}
+
 void SetQueueBudget(uint64_t max_queue_bytes) {
   g_max_queue_bytes.store(max_queue_bytes);
   std::lock_guard<std::mutex> lock(g_queues.mu);
@@ -463,9 +539,8 @@ int64_t Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews
     throw;
   }
   if (pushed < 0) ReleaseRecord(record);
-  if (pushed == DeviceQueue::kClosed && !expects_response && g_exiting.load() &&
-      consumer_id != kBarrierMarkerId) {
-    g_dropped_at_exit.fetch_add(1);
+  if (pushed == DeviceQueue::kClosed && !expects_response && consumer_id != kBarrierMarkerId &&
+      DropAtExit()) {
     return DeviceQueue::kDroppedAtExit;
   }
   return pushed;

@@ -110,6 +110,15 @@ class DeviceQueue {
   // kTimedOut or an exception the record stays the caller's.
   int64_t Push(Record record, bool expects_response, bool urgent, double timeout_s = 0);
 
+  // A record whose bytes arrive later (a GPU tap, cuda_tap.cc) joins in two steps. Reserve waits
+  // (in line, as Push does, and forever) for room for `bytes` in the budget and holds it:
+  // 0, or kClosed or kInterrupted. Commit joins the record under a reservation of `reserved`
+  // bytes without waiting, at the end of the queue as it is then; kClosed (the record stays the
+  // caller's) when the queue was closed meanwhile. CancelReservation gives room back unused.
+  int64_t Reserve(uint64_t bytes);
+  int64_t Commit(Record record, uint64_t reserved);
+  void CancelReservation(uint64_t bytes) noexcept;
+
   // Waits up to timeout_s for a record, then takes records up to the given limits (at least
   // one when any is queued). With coalesce_s > 0 it then waits up to that long for a fuller
   // batch, unless a call or barrier marker is queued, a producer waits for room or the batch is
@@ -198,6 +207,17 @@ class DeviceQueue {
 
   bool Fits(size_t size) const;
 
+  // Waits for the ticket's turn and room for `bytes` (or a closed queue): 0, or kTimedOut or
+  // kInterrupted with the ticket given up and the lock released (called under mu_).
+  int64_t WaitForRoom(std::unique_lock<std::mutex>& lock, uint64_t ticket, uint64_t bytes,
+                      double timeout_s);
+
+  // Puts an admitted record at the end of the queue, numbers it, calls on_joined (under mu_)
+  // and wakes the receiver as needed; releases the lock. Throws bad_alloc with nothing joined.
+  template <typename OnJoined>
+  int64_t Join(std::unique_lock<std::mutex>& lock, Record& record, bool expects_response,
+               bool urgent, OnJoined on_joined);
+
   // kYes, kOwnReceiver, or kTimedOut when WaitHandled would have to wait (called under mu_).
   Handled HandledAlready(uint64_t target) const;
 
@@ -216,6 +236,7 @@ class DeviceQueue {
   std::chrono::steady_clock::time_point batch_began_{};
   std::condition_variable handled_cv_;
   uint64_t next_ticket_ = 0, admitted_ = 0;
+  uint64_t reserved_bytes_ = 0;  // room held for records to come (Reserve), in the budget
   std::set<uint64_t> given_up_;  // tickets behind admitted_ whose producer stopped waiting
   bool closed_ = false;
   // Drains waiting (for a first record, or gathering a batch: coalescing_ of them).
@@ -239,6 +260,8 @@ DeviceQueue* LookUpQueue(const std::string& platform, int device);
 
 // The native handlers' queue of a device of kNativePlatform, found without a lock.
 DeviceQueue* NativeQueueFor(int device);
+// The same for a GPU device (kGpuPlatform) by its global id: the GPU tap handler's queues.
+DeviceQueue* GpuQueueFor(int device);
 
 // Closed queues refuse new records and wake every waiter; calls still waiting for an answer fail.
 void SetAllClosed(bool closed);
@@ -251,6 +274,9 @@ void SetQueueBudget(uint64_t max_queue_bytes);
 // exit handlers would print; exit's warning has said how much was left.
 void SetExiting();
 uint64_t DroppedAtExit();
+// A tap that found its queue closed: once exit has given up waiting (SetExiting), it is counted
+// as dropped at exit (true); before that it is an error (false).
+bool DropAtExit();
 
 // A child of fork() has the queues of its parent but not the receiver threads that drain them
 // (nor, maybe, the locks another thread held at the fork): there, every enqueue and every wait

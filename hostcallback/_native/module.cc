@@ -50,6 +50,7 @@
 
 #include "buffer_pool.h"
 #include "constants.h"
+#include "cuda_tap.h"
 #include "device_queue.h"
 #include "ffi_handlers.h"
 #include "frames.h"
@@ -61,6 +62,7 @@
 #include "nanobind/stl/tuple.h"
 #include "nanobind/stl/vector.h"
 #include "numpy_records.h"
+#include "pinned_pool.h"
 #include "record.h"
 #include "responses.h"
 #include "timeouts.h"
@@ -341,6 +343,30 @@ void DefineModule(nb::module_& m) {
     d["hostcallback_fence"] = nb::capsule(reinterpret_cast<void*>(HostcallbackFence));
     return d;
   });
+  m.def(
+      "cuda_registrations",
+      []() {
+        nb::dict d;
+        d["hostcallback_tap"] = nb::capsule(reinterpret_cast<void*>(HostcallbackTapCuda));
+        return d;
+      },
+      "The handlers to register for the CUDA platform: the GPU tap (cuda_tap.cc).");
+  m.def("set_cuda_device_ids", &SetCudaDeviceIds, nb::arg("ids"),
+        "The global Device.id of each local CUDA device ordinal, in ordinal order.");
+  m.def(
+      "pinned_stats",
+      []() {
+        PinnedStats s = g_pinned_pool.Stats();
+        nb::dict d;
+        d["pinned_bytes"] = s.pinned_bytes;
+        d["in_use_bytes"] = s.in_use_bytes;
+        d["hits"] = s.hits;
+        d["misses"] = s.misses;
+        d["pageable_fallbacks"] = s.pageable_fallbacks;
+        return d;
+      },
+      "The GPU taps' page-locked buffers: bytes held and in use, reuse, and records that took "
+      "pageable memory because the pinned allowance (twice the queue budget) was spent.");
   m.def("drain", &Drain, nb::arg("device"), nb::arg("max_records"), nb::arg("max_bytes"),
         nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform, nb::arg("coalesce_s") = 0.0,
         nb::arg("linger_s") = 0.0,

@@ -9,6 +9,7 @@
 #include <memory>
 #include <new>
 #include <thread>
+#include <vector>
 
 #include "buffer_pool.h"
 #include "xla/ffi/api/ffi.h"
@@ -89,47 +90,77 @@ void ZeroLines(uint8_t* at, size_t n) {
 
 }  // namespace
 
-Record EncodeRecord(uint64_t consumer_id, uint32_t device, ArrayViews arrays, uint16_t flags,
-                    ffi::ThreadPool* pool) {
+size_t RecordSize(ArrayViews arrays, size_t* header_size) {
   size_t header = kFixedHeaderBytes;
   for (const ArrayView& a : arrays) header += kDescriptorBytes + 8 * a.ndim;
   header = AlignUp(header);
   size_t size = header;
   for (const ArrayView& a : arrays) size = AlignUp(size) + a.byte_size;
-  size = AlignUp(std::max<size_t>(size, kAlignment));
+  *header_size = header;
+  return AlignUp(std::max<size_t>(size, kAlignment));
+}
 
-  Record r;
-  r.data = g_pool.Get(size, &r.capacity, &r.outside_pool);
-  if (r.data == nullptr) throw std::bad_alloc();
-  r.size = size;
-  ZeroLines(r.data, header);
-  Put<uint32_t>(r.data + 0, kMagic);
-  Put<uint16_t>(r.data + 4, kVersion);
-  Put<uint16_t>(r.data + kFlagsOffset, flags);
-  Put<uint64_t>(r.data + kConsumerIdOffset, consumer_id);
-  Put<uint32_t>(r.data + kDeviceOffset, device);
-  Put<uint32_t>(r.data + kArrayCountOffset, static_cast<uint32_t>(arrays.size()));
-  Put<uint64_t>(r.data + kSequenceOffset, 0);  // set when the record joins its queue
-  Put<uint32_t>(r.data + kHeaderSizeOffset, static_cast<uint32_t>(header));
-  Put<uint32_t>(r.data + 36, 0);  // reserved
-  Put<uint64_t>(r.data + kRecordSizeOffset, size);
-  uint8_t* at = r.data + kFixedHeaderBytes;
-  size_t offset = header;
+void WriteHeader(uint8_t* data, size_t size, size_t header_size, uint64_t consumer_id,
+                 uint32_t device, ArrayViews arrays, uint16_t flags, size_t* offsets) {
+  ZeroLines(data, header_size);
+  Put<uint32_t>(data + 0, kMagic);
+  Put<uint16_t>(data + 4, kVersion);
+  Put<uint16_t>(data + kFlagsOffset, flags);
+  Put<uint64_t>(data + kConsumerIdOffset, consumer_id);
+  Put<uint32_t>(data + kDeviceOffset, device);
+  Put<uint32_t>(data + kArrayCountOffset, static_cast<uint32_t>(arrays.size()));
+  Put<uint64_t>(data + kSequenceOffset, 0);  // set when the record joins its queue
+  Put<uint32_t>(data + kHeaderSizeOffset, static_cast<uint32_t>(header_size));
+  Put<uint32_t>(data + 36, 0);  // reserved
+  Put<uint64_t>(data + kRecordSizeOffset, size);
+  uint8_t* at = data + kFixedHeaderBytes;
+  size_t offset = header_size;
+  size_t i = 0;
   for (const ArrayView& a : arrays) {
     Put<uint8_t>(at + 0, a.dtype);
     Put<uint16_t>(at + 2, static_cast<uint16_t>(a.ndim));
     Put<uint64_t>(at + 8, a.byte_size);
-    for (size_t i = 0; i < a.ndim; ++i) Put<int64_t>(at + 16 + 8 * i, a.dims[i]);
+    for (size_t d = 0; d < a.ndim; ++d) Put<int64_t>(at + 16 + 8 * d, a.dims[d]);
     at += kDescriptorBytes + 8 * a.ndim;
     offset = AlignUp(offset);
-    if (a.byte_size > 0) {
-      // The padding after an array lies in its last line: zeroed first, then copied over.
-      ZeroLines(r.data + AlignUp(offset + a.byte_size) - kAlignment, kAlignment);
-      CopyArray(r.data + offset, static_cast<const uint8_t*>(a.data), a.byte_size, pool);
-    }
+    // The padding after an array lies in its last line: zeroed here, the array copied over it.
+    if (a.byte_size > 0) ZeroLines(data + AlignUp(offset + a.byte_size) - kAlignment, kAlignment);
+    offsets[i++] = offset;
     offset += a.byte_size;
   }
-  // size is AlignUp(offset) (the same sum as above): the last array's line ends the record.
+  // size is AlignUp(offset) (RecordSize's sum): the last array's line ends the record.
+}
+
+Record EncodeRecord(uint64_t consumer_id, uint32_t device, ArrayViews arrays, uint16_t flags,
+                    ffi::ThreadPool* pool) {
+  size_t header = 0;
+  const size_t size = RecordSize(arrays, &header);
+  Record r;
+  r.data = g_pool.Get(size, &r.capacity, &r.outside_pool);
+  if (r.data == nullptr) throw std::bad_alloc();
+  r.size = size;
+  // Offsets on the stack for all but the widest records: a tap allocates nothing but its record.
+  constexpr size_t kOnStack = 16;
+  size_t on_stack[kOnStack];
+  std::vector<size_t> on_heap;
+  size_t* offsets = on_stack;
+  if (arrays.size() > kOnStack) {
+    try {
+      on_heap.resize(arrays.size());
+    } catch (...) {
+      g_pool.Put(r.data, r.capacity, r.outside_pool);
+      throw;
+    }
+    offsets = on_heap.data();
+  }
+  WriteHeader(r.data, size, header, consumer_id, device, arrays, flags, offsets);
+  size_t i = 0;
+  for (const ArrayView& a : arrays) {
+    if (a.byte_size > 0) {
+      CopyArray(r.data + offsets[i], static_cast<const uint8_t*>(a.data), a.byte_size, pool);
+    }
+    ++i;
+  }
   return r;
 }
 

@@ -61,6 +61,7 @@ struct Record {
   size_t size = 0;
   size_t capacity = 0;
   bool outside_pool = false;  // larger than the pool could keep: freed, never pooled
+  bool pinned = false;        // page-locked memory of the pinned pool (a GPU tap, cuda_tap.cc)
   bool urgent = false;        // a call or a barrier marker: its queue wakes the receiver at once
   // Bytes of arrays the record stands for that are held elsewhere (a tap handed over in Python,
   // kFlagHandedOverInPython): its queue's budget counts them with the record's own.
@@ -81,6 +82,15 @@ inline bool IsBarrierMarker(const Record& record) {
 // threads. The record is the caller's, to queue or to give back (ReleaseRecord).
 Record EncodeRecord(uint64_t consumer_id, uint32_t device, ArrayViews arrays, uint16_t flags = 0,
                     xla::ffi::ThreadPool* pool = nullptr);
+
+// The size of the record of these arrays, and of its header (where the first array begins).
+size_t RecordSize(ArrayViews arrays, size_t* header_size);
+
+// Writes a record's header (the sequence number left 0) and zeroes every byte of `data` that no
+// array element will cover; offsets[i] receives where array i's bytes go (room for
+// arrays.size()). The arrays' bytes are the caller's to copy.
+void WriteHeader(uint8_t* data, size_t size, size_t header_size, uint64_t consumer_id,
+                 uint32_t device, ArrayViews arrays, uint16_t flags, size_t* offsets);
 
 }  // namespace hostcallback
 

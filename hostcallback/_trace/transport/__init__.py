@@ -11,8 +11,8 @@ automatic sharding, ``shard_callback(ctx)`` registers what each device's shard n
 whole computation and returns its index for ``tap_shard(ctx, args, *, consumer_id,
 callback_index, token, op_sharding)``, or returns None where a shard lowers as any tap does.
 The lowering picks its transport once (emitter_for) and talks only to it. The native one calls
-our C++ FFI handlers on the device thread; the callback one goes through JAX's host callbacks,
-for platforms that have no native handler.
+our C++ FFI handlers on the device thread (native_gpu: on a CUDA GPU's stream, for taps); the
+callback one goes through JAX's host callbacks, for platforms that have no native handler.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from typing import Any
 from hostcallback import config
 from hostcallback._jax import mlir
 from hostcallback._native import ffi_api, outfeed
-from hostcallback._trace.transport import callback, native
+from hostcallback._trace.transport import callback, native, native_gpu
 
 # None where this jaxlib refuses the core's handlers (ffi_api.py): the callback transport serves.
 NATIVE_PLATFORMS = frozenset() if ffi_api.MISMATCH else frozenset({outfeed.NATIVE_PLATFORM})
+# Where taps have a native handler of their own on another platform's device.
+NATIVE_GPU_PLATFORMS = frozenset() if ffi_api.MISMATCH else frozenset({"cuda"})
 # Where our primitives have lowerings: the native handler's platforms, and the callback
 # transport's (every platform with JAX host callbacks).
 LOWERING_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -41,6 +43,8 @@ def emitter_for(transport: str, platform: str) -> ModuleType:
     """The transport module to use; native on a platform without a native handler falls back."""
     if transport == "native" and platform in NATIVE_PLATFORMS:
         return native
+    if transport == "native" and platform in NATIVE_GPU_PLATFORMS:
+        return native_gpu
     return callback
 
 

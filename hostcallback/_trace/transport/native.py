@@ -19,15 +19,21 @@ TAP_HANDLED_TARGET = "hostcallback_tap_handled"  # a tap that returns once it wa
 CALL_TARGET = "hostcallback_call"
 CHECK_TARGET = "hostcallback_check"
 
+# The CUDA platform's handlers (the GPU tap) take effect once JAX's CUDA plugin starts; a process
+# without one never runs them, and they load no CUDA library until a GPU tap runs.
+_REGISTRATIONS = ((outfeed.registrations, outfeed.NATIVE_PLATFORM),
+                  (outfeed.cuda_registrations, "CUDA"))
+
 if ffi_api.MISMATCH is None:  # a registration jaxlib refuses would take its CPU backend down
-    for _name, _capsule in outfeed.registrations().items():
-        try:
-            jax.ffi.register_ffi_target(_name, _capsule, platform=outfeed.NATIVE_PLATFORM)
-        except Exception as error:  # noqa: BLE001 - jaxlib's own error type differs by version
-            raise ImportError(
-                f"hostcallback's C++ core cannot be registered with this jaxlib "
-                f"({jax.__version__}): {error}. The core was built against another JAX's FFI "
-                f"headers: {ffi_api.REBUILD}.") from error
+    for _handlers, _platform in _REGISTRATIONS:
+        for _name, _capsule in _handlers().items():
+            try:
+                jax.ffi.register_ffi_target(_name, _capsule, platform=_platform)
+            except Exception as error:  # noqa: BLE001 - jaxlib's own error type differs
+                raise ImportError(
+                    f"hostcallback's C++ core cannot be registered with this jaxlib "
+                    f"({jax.__version__}) for {_platform}: {error}. The core was built against "
+                    f"another JAX's FFI headers: {ffi_api.REBUILD}.") from error
 
 _lower_tap = jax.ffi.ffi_lowering(TAP_TARGET, has_side_effect=True)
 _lower_call = jax.ffi.ffi_lowering(CALL_TARGET, has_side_effect=True)

@@ -1,0 +1,178 @@
+// The GPU tap. On the launching thread it reserves the record's room in its device's queue (a
+// full queue makes the launch wait: nothing is dropped), writes the header into a page-locked
+// buffer and queues one asynchronous device-to-host copy per array on the stream; then a host
+// function on the same stream joins the record to the queue once the copies are done, in stream
+// order. The stream never waits: no synchronisation, no GIL, no Python. The host function never
+// blocks and never calls CUDA (the driver forbids it there). Where the pinned pool is spent, the
+// record takes pageable memory, whose copy returns only once the stream got there.
+
+#include "cuda_tap.h"
+
+#include <atomic>
+#include <cstdio>
+#include <new>
+#include <string>
+
+#include "buffer_pool.h"
+#include "constants.h"
+#include "cuda_driver.h"
+#include "device_queue.h"
+#include "pinned_pool.h"
+#include "record.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace hostcallback {
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxOrdinals = 1024;
+std::atomic<int> g_cuda_ids[kMaxOrdinals];  // global id + 1 per ordinal; 0: the ordinal itself
+
+int GlobalIdOf(int ordinal) {
+  const int id = ordinal < kMaxOrdinals ? g_cuda_ids[ordinal].load(std::memory_order_relaxed) : 0;
+  return id > 0 ? id - 1 : ordinal;
+}
+
+// A record on its way: its copies are queued on the stream, and the host function after them
+// joins it to the queue (or, where queuing a copy failed, gives it and its room back).
+struct PendingRecord {
+  DeviceQueue* queue;
+  Record record;
+  uint64_t reserved;
+  bool failed;
+};
+
+// Said once on stderr: a GPU tap lost because its queue closed between its launch and its copy.
+void ReportLostAfterClose() {
+  static std::atomic<bool> said{false};
+  if (said.exchange(true)) return;
+  std::fprintf(stderr,
+               "hostcallback: a GPU tap reached its device's queue after the receivers were "
+               "stopped, and was not delivered (stop_outfeed_receiver() waits for the taps "
+               "dispatched before it; this one was dispatched as it stopped)\n");
+  std::fflush(stderr);
+}
+
+// The host function: on CUDA's own thread, after the record's copies.
+void JoinQueue(void* user_data) noexcept {
+  PendingRecord* pending = static_cast<PendingRecord*>(user_data);
+  DeviceQueue* queue = pending->queue;
+  if (pending->failed) {
+    ReleaseRecord(pending->record);
+    queue->CancelReservation(pending->reserved);
+  } else {
+    int64_t joined = DeviceQueue::kClosed;
+    try {
+      joined = queue->Commit(pending->record, pending->reserved);
+    } catch (...) {  // no memory for the queue's ring: fail the queue, loudly, not the record
+      queue->Fail("hostcallback: out of host memory for a GPU tap's place in its queue");
+    }
+    if (joined < 0) {
+      ReleaseRecord(pending->record);
+      if (!IsBarrierMarker(pending->record) && !DropAtExit()) ReportLostAfterClose();
+    }
+  }
+  delete pending;
+}
+
+ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_id,
+                       int64_t emit_device, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  (void)rets;  // only the ordering token
+  try {
+    if (ordinal < 0) {
+      return ffi::Error::Internal("hostcallback: negative device ordinal " +
+                                  std::to_string(ordinal));
+    }
+    const int device = GlobalIdOf(ordinal);
+    if (emit_device != kAllDevices && emit_device != device) return ffi::Error::Success();
+    if (InForkedChild()) return ffi::Error::Internal(kForkedMessage);
+    std::string why;
+    const cuda::Driver* driver = cuda::GetDriver(&why);
+    if (driver == nullptr) return ffi::Error::Internal(why);
+
+    std::vector<ArrayView> arrays;
+    arrays.reserve(args.size());
+    for (size_t i = 0; i < args.size(); ++i) {
+      ffi::ErrorOr<ffi::AnyBuffer> arg = args.get<ffi::AnyBuffer>(i);
+      if (!arg.has_value()) return arg.error();
+      ffi::AnyBuffer buffer = arg.value();
+      if (buffer.element_type() == ffi::DataType::TOKEN) continue;
+      auto dims = buffer.dimensions();
+      arrays.push_back(ArrayView{static_cast<uint8_t>(buffer.element_type()), dims.begin(),
+                                 dims.size(), buffer.untyped_data(), buffer.size_bytes()});
+    }
+    size_t header = 0;
+    const size_t size = RecordSize(ArrayViews(arrays), &header);
+
+    DeviceQueue* queue = GpuQueueFor(device);
+    const int64_t reserved = queue->Reserve(size);
+    if (reserved == DeviceQueue::kClosed) {
+      if (consumer_id != kBarrierMarkerId && DropAtExit()) return ffi::Error::Success();
+      return ffi::Error::Internal(queue->ClosedReason());
+    }
+    if (reserved < 0) return ffi::Error::Internal(WhyNotEnqueued(queue, reserved, 0));
+
+    Record record;
+    record.size = size;
+    record.data = g_pinned_pool.Get(*driver, stream, size, &record.capacity);
+    record.pinned = record.data != nullptr;
+    if (!record.pinned) {
+      g_pinned_pool.NotePageableFallback();
+      record.data = g_pool.Get(size, &record.capacity, &record.outside_pool);
+      if (record.data == nullptr) {
+        queue->CancelReservation(size);
+        throw std::bad_alloc();
+      }
+    }
+    std::vector<size_t> offsets(arrays.size());
+    WriteHeader(record.data, size, header, consumer_id, static_cast<uint32_t>(device),
+                ArrayViews(arrays), 0, offsets.data());
+    std::string failure;
+    for (size_t i = 0; i < arrays.size() && failure.empty(); ++i) {
+      if (arrays[i].byte_size == 0) continue;
+      const cuda::Result copied = driver->memcpy_dtoh_async(
+          record.data + offsets[i], reinterpret_cast<cuda::DevicePtr>(arrays[i].data),
+          arrays[i].byte_size, stream);
+      if (static_cast<int>(copied) != 0) {
+        failure = cuda::Describe(*driver, "a GPU tap's device-to-host copy", copied);
+      }
+    }
+    auto* pending = new PendingRecord{queue, record, size, !failure.empty()};
+    const cuda::Result launched = driver->launch_host_func(stream, JoinQueue, pending);
+    if (static_cast<int>(launched) != 0) {
+      // Copies already queued may still write into the buffer: it is never reused (kept, not
+      // returned); the room is given back.
+      delete pending;
+      queue->CancelReservation(size);
+      return ffi::Error::Internal(
+          cuda::Describe(*driver, "queuing a GPU tap's host function", launched));
+    }
+    if (!failure.empty()) return ffi::Error::Internal(failure);
+    return ffi::Error::Success();
+  } catch (const std::bad_alloc&) {
+    return ffi::Error::Internal("hostcallback: out of host memory for a GPU tap record");
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("hostcallback: ") + e.what());
+  }
+}
+
+}  // namespace
+
+void SetCudaDeviceIds(const std::vector<int>& ids) {
+  for (size_t ordinal = 0; ordinal < ids.size() && ordinal < kMaxOrdinals; ++ordinal) {
+    g_cuda_ids[ordinal].store(ids[ordinal] + 1, std::memory_order_relaxed);
+  }
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackTapCuda, TapCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cuda::Stream>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<uint64_t>("consumer_id")
+                                  .Attr<int64_t>("emit_device")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+}  // namespace hostcallback

@@ -1,0 +1,22 @@
+// The GPU tap: hostcallback_tap's XLA FFI handler for the CUDA platform, which never makes the
+// stream wait (cuda_tap.cc).
+#ifndef HOSTCALLBACK_NATIVE_CUDA_TAP_H_
+#define HOSTCALLBACK_NATIVE_CUDA_TAP_H_
+
+#include <vector>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace hostcallback {
+
+// Operands the ordering token and the tapped arrays (device memory), result a token; attributes
+// consumer_id and emit_device, as HostcallbackTap's.
+extern "C" XLA_FFI_Error* HostcallbackTapCuda(XLA_FFI_CallFrame* call_frame);
+
+// The global Device.id of each local CUDA device ordinal (the FFI's DeviceOrdinal), which names
+// its queue ("gpu", id); an ordinal not given is its own id.
+void SetCudaDeviceIds(const std::vector<int>& ids);
+
+}  // namespace hostcallback
+
+#endif  // HOSTCALLBACK_NATIVE_CUDA_TAP_H_

@@ -70,8 +70,9 @@ def queue_key(device: Any) -> QueueKey:
 
 def devices_to_receive(default_devices: list, native_devices: list) -> list:
     """One receiver per device of the default backend, plus one per device our native FFI
-    handlers can run on (CPU) when the default backend is another platform, so a CPU tap in a
-    GPU process reaches a receiver of its own instead of none (or a GPU device's)."""
+    handlers can run on (CPU, CUDA GPUs) on another platform, so a CPU tap in a GPU process, or
+    a GPU tap where the CPU is the default backend, reaches a receiver of its own instead of
+    none (or another device's)."""
     seen, out = set(), []
     for device in [*default_devices, *native_devices]:
         if queue_key(device) not in seen:
@@ -89,10 +90,14 @@ def cuda_device_ids(devices: list) -> list[int]:
 
 
 def _native_platform_devices() -> list:
-    try:
-        return jax.local_devices(backend=outfeed.NATIVE_PLATFORM)
-    except RuntimeError:  # no CPU backend in this process
-        return []
+    """The local devices of each platform our native handlers serve that this process has."""
+    devices = []
+    for backend in (outfeed.NATIVE_PLATFORM, "cuda"):
+        try:
+            devices += jax.local_devices(backend=backend)
+        except RuntimeError:  # no such backend in this process
+            pass
+    return devices
 
 
 def _name_of(consumer: Any) -> str:
@@ -172,7 +177,7 @@ class ReceiverPool:
             if self._threads:
                 return False
             outfeed.set_max_queue_bytes(config.settings.max_queue_bytes)
-            outfeed.set_cuda_device_ids(cuda_device_ids(jax.local_devices()))
+            outfeed.set_cuda_device_ids(cuda_device_ids(_native_platform_devices()))
             for device in devices_to_receive(jax.local_devices(), _native_platform_devices()):
                 key = queue_key(device)  # device.id is what XLA hands the FFI handler
                 self._devices[key] = device

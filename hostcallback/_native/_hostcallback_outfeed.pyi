@@ -30,6 +30,7 @@ class _QueueStats(TypedDict):
     bytes_delivered: int
     bytes_queued: int
     peak_bytes_queued: int
+    bytes_reserved: int
     waits: int
     wait_seconds: float
     producers_waiting: int
@@ -82,6 +83,9 @@ CALL_FAILED_ELSEWHERE: Final[str]
 # ---- the FFI handlers, for jax.ffi.register_ffi_target -----------------------------------------
 
 def registrations() -> dict[str, CapsuleType]: ...
+def cuda_registrations() -> dict[str, CapsuleType]: ...
+def set_cuda_device_ids(ids: Sequence[int]) -> None: ...
+def pinned_stats() -> dict[str, int]: ...
 
 # ---- the queues --------------------------------------------------------------------------------
 
@@ -100,6 +104,11 @@ def drain_raw(
 def enqueue(
     device: int, consumer_id: int, leaves: Sequence[_Leaf], platform: str = "cpu"
 ) -> None: ...
+def reserve(device: int, bytes: int, platform: str = "cpu") -> None: ...
+def commit(
+    device: int, consumer_id: int, leaves: Sequence[_Leaf], reserved: int, platform: str = "cpu"
+) -> int: ...
+def cancel_reservation(device: int, bytes: int, platform: str = "cpu") -> None: ...
 def enqueue_handed_over(
     device: int,
     consumer_id: int,

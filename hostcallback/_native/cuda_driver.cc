@@ -25,10 +25,14 @@ HOSTCALLBACK_SAME(stream_get_ctx, cuStreamGetCtx);
 HOSTCALLBACK_SAME(ctx_push_current, cuCtxPushCurrent_v2);
 HOSTCALLBACK_SAME(ctx_pop_current, cuCtxPopCurrent_v2);
 HOSTCALLBACK_SAME(get_error_string, cuGetErrorString);
+HOSTCALLBACK_SAME(stream_query, cuStreamQuery);
+HOSTCALLBACK_SAME(stream_is_capturing, cuStreamIsCapturing);
 #undef HOSTCALLBACK_SAME
 static_assert(std::is_same_v<Stream, CUstream> && std::is_same_v<Context, CUcontext>);
 static_assert(std::is_same_v<DevicePtr, CUdeviceptr> && std::is_same_v<HostFn, CUhostFn>);
 static_assert(CUDA_SUCCESS == 0 && kHostAllocPortable == CU_MEMHOSTALLOC_PORTABLE);
+static_assert(kErrorNotReady == CUDA_ERROR_NOT_READY);
+static_assert(kStreamCaptureStatusNone == CU_STREAM_CAPTURE_STATUS_NONE);
 #endif
 
 namespace {
@@ -65,6 +69,10 @@ const Driver* Load(std::string* why) {
     missing = "cuCtxPopCurrent_v2";
   }
   if (!Find(library, "cuGetErrorString", &driver.get_error_string)) missing = "cuGetErrorString";
+  if (!Find(library, "cuStreamQuery", &driver.stream_query)) missing = "cuStreamQuery";
+  if (!Find(library, "cuStreamIsCapturing", &driver.stream_is_capturing)) {
+    missing = "cuStreamIsCapturing";
+  }
   if (missing != nullptr) {
     *why = std::string("hostcallback: the CUDA driver lacks ") + missing +
            ", which a GPU tap needs (CUDA 10 or newer)";

@@ -21,14 +21,21 @@ namespace hostcallback::cuda {
 #ifdef HOSTCALLBACK_CHECK_CUDA_H
 using Result = CUresult;
 #else
-using Result = int;  // CUresult, an enum of int: 0 is CUDA_SUCCESS
+using Result = int;         // CUresult, an enum of int: 0 is CUDA_SUCCESS
 #endif
 using Stream = CUstream_st*;
 using Context = CUctx_st*;
 using DevicePtr = unsigned long long;  // CUdeviceptr
 using HostFn = void (*)(void* user_data);
+#ifdef HOSTCALLBACK_CHECK_CUDA_H
+using CaptureStatus = CUstreamCaptureStatus;
+#else
+using CaptureStatus = int;  // CUstreamCaptureStatus, an enum of int
+#endif
 
 inline constexpr unsigned kHostAllocPortable = 0x01;  // CU_MEMHOSTALLOC_PORTABLE
+inline constexpr int kErrorNotReady = 600;            // CUDA_ERROR_NOT_READY
+inline constexpr int kStreamCaptureStatusNone = 0;    // CU_STREAM_CAPTURE_STATUS_NONE
 
 struct Driver {
   Result (*mem_host_alloc)(void** host, size_t bytes, unsigned flags);  // cuMemHostAlloc
@@ -41,6 +48,8 @@ struct Driver {
   Result (*ctx_push_current)(Context context);                     // cuCtxPushCurrent_v2
   Result (*ctx_pop_current)(Context* context);                     // cuCtxPopCurrent_v2
   Result (*get_error_string)(Result error, const char** text);     // cuGetErrorString
+  Result (*stream_query)(Stream);                                  // cuStreamQuery
+  Result (*stream_is_capturing)(Stream, CaptureStatus* status);    // cuStreamIsCapturing
 };
 
 // The driver's entry points, found once; null (and *why says why) where no CUDA driver is loaded

@@ -10,8 +10,10 @@
 
 #include <atomic>
 #include <cstdio>
+#include <memory>
 #include <new>
 #include <string>
+#include <vector>
 
 #include "buffer_pool.h"
 #include "constants.h"
@@ -45,7 +47,7 @@ struct PendingRecord {
 };
 
 // Said once on stderr: a GPU tap lost because its queue closed between its launch and its copy.
-void ReportLostAfterClose() {
+void ReportLostAfterClose() noexcept {
   static std::atomic<bool> said{false};
   if (said.exchange(true)) return;
   std::fprintf(stderr,
@@ -55,10 +57,24 @@ void ReportLostAfterClose() {
   std::fflush(stderr);
 }
 
-// The host function: on CUDA's own thread, after the record's copies.
+// Said once on stderr: the pinned pool is spent, so GPU taps make their launches wait.
+void ReportPageableFallback() noexcept {
+  static std::atomic<bool> said{false};
+  if (said.exchange(true)) return;
+  std::fprintf(stderr,
+               "hostcallback: GPU taps now copy into pageable memory, which makes each launch "
+               "wait for its stream: the page-locked buffers (at most twice the queue budget) "
+               "are all in use, held by queued records or by arrays a consumer kept "
+               "(hostcallback._native.outfeed.pinned_stats())\n");
+  std::fflush(stderr);
+}
+
+// The host function: on CUDA's own thread, after the record's copies. Never blocks, never
+// calls CUDA.
 void JoinQueue(void* user_data) noexcept {
   PendingRecord* pending = static_cast<PendingRecord*>(user_data);
   DeviceQueue* queue = pending->queue;
+  const bool marker = IsBarrierMarker(pending->record);
   if (pending->failed) {
     ReleaseRecord(pending->record);
     queue->CancelReservation(pending->reserved);
@@ -67,14 +83,40 @@ void JoinQueue(void* user_data) noexcept {
     try {
       joined = queue->Commit(pending->record, pending->reserved);
     } catch (...) {  // no memory for the queue's ring: fail the queue, loudly, not the record
-      queue->Fail("hostcallback: out of host memory for a GPU tap's place in its queue");
+      static const std::string kNoMemory =
+          "hostcallback: out of host memory for a GPU tap's place in its queue";
+      queue->Fail(kNoMemory);
     }
     if (joined < 0) {
       ReleaseRecord(pending->record);
-      if (!IsBarrierMarker(pending->record) && !DropAtExit()) ReportLostAfterClose();
+      if (!marker && !DropAtExit()) ReportLostAfterClose();
     }
   }
   delete pending;
+}
+
+// Room reserved in a queue, given back unless handed to the host function.
+class Reservation {
+ public:
+  Reservation(DeviceQueue* queue, uint64_t bytes) : queue_(queue), bytes_(bytes) {}
+  ~Reservation() {
+    if (queue_ != nullptr) queue_->CancelReservation(bytes_);
+  }
+  void HandOver() { queue_ = nullptr; }
+  Reservation(const Reservation&) = delete;
+  Reservation& operator=(const Reservation&) = delete;
+
+ private:
+  DeviceQueue* queue_;
+  uint64_t bytes_;
+};
+
+// What went wrong on the stream while a launch waited for room, or "" while it runs on.
+std::string StreamFailure(const cuda::Driver& driver, cuda::Stream stream) {
+  const cuda::Result state = driver.stream_query(stream);
+  if (static_cast<int>(state) == 0 || static_cast<int>(state) == cuda::kErrorNotReady) return "";
+  return cuda::Describe(driver, "the GPU's stream, while a tap waited for room in its queue,",
+                        state);
 }
 
 ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_id,
@@ -91,6 +133,16 @@ ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_i
     std::string why;
     const cuda::Driver* driver = cuda::GetDriver(&why);
     if (driver == nullptr) return ffi::Error::Internal(why);
+    StreamContext context(*driver, stream);
+    // A host function captured into a CUDA graph would run its one record at every replay: XLA
+    // keeps this handler out of command buffers (it declares no trait that allows them), and a
+    // stream captured otherwise is refused.
+    cuda::CaptureStatus capture{};
+    if (static_cast<int>(driver->stream_is_capturing(stream, &capture)) == 0 &&
+        static_cast<int>(capture) != cuda::kStreamCaptureStatusNone) {
+      return ffi::Error::Internal(
+          "hostcallback: a GPU tap cannot run in a CUDA graph being captured");
+    }
 
     std::vector<ArrayView> arrays;
     arrays.reserve(args.size());
@@ -105,31 +157,36 @@ ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_i
     }
     size_t header = 0;
     const size_t size = RecordSize(ArrayViews(arrays), &header);
+    std::vector<size_t> offsets(arrays.size());
+    auto pending = std::make_unique<PendingRecord>();  // allocated before any room is held
 
     DeviceQueue* queue = GpuQueueFor(device);
-    const int64_t reserved = queue->Reserve(size);
+    std::string stream_failure;
+    const int64_t reserved = queue->Reserve(size, [&] {
+      stream_failure = StreamFailure(*driver, stream);
+      return !stream_failure.empty();
+    });
     if (reserved == DeviceQueue::kClosed) {
       if (consumer_id != kBarrierMarkerId && DropAtExit()) return ffi::Error::Success();
       return ffi::Error::Internal(queue->ClosedReason());
     }
+    if (reserved == DeviceQueue::kWatchFailed) return ffi::Error::Internal(stream_failure);
     if (reserved < 0) return ffi::Error::Internal(WhyNotEnqueued(queue, reserved, 0));
+    Reservation reservation(queue, size);
 
     Record record;
     record.size = size;
-    record.data = g_pinned_pool.Get(*driver, stream, size, &record.capacity);
+    record.data = g_pinned_pool.Get(*driver, size, &record.capacity);
     record.pinned = record.data != nullptr;
     if (!record.pinned) {
-      g_pinned_pool.NotePageableFallback();
+      ReportPageableFallback();
       record.data = g_pool.Get(size, &record.capacity, &record.outside_pool);
-      if (record.data == nullptr) {
-        queue->CancelReservation(size);
-        throw std::bad_alloc();
-      }
+      if (record.data == nullptr) throw std::bad_alloc();
     }
-    std::vector<size_t> offsets(arrays.size());
     WriteHeader(record.data, size, header, consumer_id, static_cast<uint32_t>(device),
                 ArrayViews(arrays), 0, offsets.data());
     std::string failure;
+    bool copying = false;  // a copy was queued: the buffer is the stream's until it is done
     for (size_t i = 0; i < arrays.size() && failure.empty(); ++i) {
       if (arrays[i].byte_size == 0) continue;
       const cuda::Result copied = driver->memcpy_dtoh_async(
@@ -137,18 +194,21 @@ ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_i
           arrays[i].byte_size, stream);
       if (static_cast<int>(copied) != 0) {
         failure = cuda::Describe(*driver, "a GPU tap's device-to-host copy", copied);
+      } else {
+        copying = true;
       }
     }
-    auto* pending = new PendingRecord{queue, record, size, !failure.empty()};
-    const cuda::Result launched = driver->launch_host_func(stream, JoinQueue, pending);
+    *pending = PendingRecord{queue, record, size, !failure.empty()};
+    const cuda::Result launched = driver->launch_host_func(stream, JoinQueue, pending.get());
     if (static_cast<int>(launched) != 0) {
-      // Copies already queued may still write into the buffer: it is never reused (kept, not
-      // returned); the room is given back.
-      delete pending;
-      queue->CancelReservation(size);
+      // A copy already queued may still write into the buffer: then it is never reused (left
+      // allocated); the room goes back with the reservation.
+      if (!copying) ReleaseRecord(record);
       return ffi::Error::Internal(
           cuda::Describe(*driver, "queuing a GPU tap's host function", launched));
     }
+    pending.release();  // JoinQueue's now, with the room
+    reservation.HandOver();
     if (!failure.empty()) return ffi::Error::Internal(failure);
     return ffi::Error::Success();
   } catch (const std::bad_alloc&) {

@@ -80,7 +80,8 @@ int64_t DeviceQueue::Join(std::unique_lock<std::mutex>& lock, Record& record, bo
 }
 
 int64_t DeviceQueue::WaitForRoom(std::unique_lock<std::mutex>& lock, uint64_t ticket,
-                                 uint64_t bytes, double timeout_s) {
+                                 uint64_t bytes, double timeout_s,
+                                 const std::function<bool()>& watch) {
   auto admitted = [&] { return closed_ || (ticket <= admitted_ && Fits(bytes)); };
   if (admitted()) return 0;
   auto start = std::chrono::steady_clock::now();
@@ -88,7 +89,19 @@ int64_t DeviceQueue::WaitForRoom(std::unique_lock<std::mutex>& lock, uint64_t ti
   // A receiver that is gathering a batch must not keep a full queue waiting.
   if (receivers_waiting_ > 0) not_empty_.notify_all();
   std::string interrupted;
-  const bool in = WaitInterruptibly(not_full_, lock, timeout_s, admitted, &interrupted);
+  bool in = false, watch_failed = false;
+  if (!watch) {
+    in = WaitInterruptibly(not_full_, lock, timeout_s, admitted, &interrupted);
+  } else {  // (a watched wait waits forever: Reserve's)
+    while (!(in = WaitInterruptibly(not_full_, lock, kWatchSeconds, admitted, &interrupted)) &&
+           interrupted.empty()) {
+      lock.unlock();
+      watch_failed = watch();
+      lock.lock();
+      if (watch_failed) break;
+    }
+    in = in || admitted();
+  }
   stats_.producers_waiting -= 1;
   stats_.waits += 1;
   stats_.wait_ns +=
@@ -98,7 +111,7 @@ int64_t DeviceQueue::WaitForRoom(std::unique_lock<std::mutex>& lock, uint64_t ti
     GiveUp(ticket);
     lock.unlock();
     not_full_.notify_all();  // those behind this ticket may go in now
-    return interrupted.empty() ? kTimedOut : kInterrupted;
+    return watch_failed ? kWatchFailed : interrupted.empty() ? kTimedOut : kInterrupted;
   }
   // Admitted as the handler raised: the record goes in, and the next wait of this thread
   // looks at the signal again at once (Python's KeyboardInterrupt is pending again).
@@ -123,12 +136,12 @@ int64_t DeviceQueue::Push(Record record, bool expects_response, bool urgent, dou
   }
 }
 
-int64_t DeviceQueue::Reserve(uint64_t bytes) {
+int64_t DeviceQueue::Reserve(uint64_t bytes, const std::function<bool()>& watch) {
   std::unique_lock<std::mutex> lock(mu_);
   const uint64_t ticket = next_ticket_++;
-  if (int64_t waited = WaitForRoom(lock, ticket, bytes, 0); waited < 0) return waited;
+  if (int64_t waited = WaitForRoom(lock, ticket, bytes, 0, watch); waited < 0) return waited;
   if (closed_) return kClosed;
-  reserved_bytes_ += bytes;
+  stats_.bytes_reserved += bytes;
   Admit(ticket);
   const bool others_wait = stats_.producers_waiting > 0;
   lock.unlock();
@@ -139,14 +152,14 @@ int64_t DeviceQueue::Reserve(uint64_t bytes) {
 void DeviceQueue::CancelReservation(uint64_t bytes) noexcept {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    reserved_bytes_ -= bytes;
+    stats_.bytes_reserved -= bytes;
   }
   not_full_.notify_all();
 }
 
 int64_t DeviceQueue::Commit(Record record, uint64_t reserved) {
   std::unique_lock<std::mutex> lock(mu_);
-  reserved_bytes_ -= reserved;
+  stats_.bytes_reserved -= reserved;
   if (closed_) {
     lock.unlock();
     not_full_.notify_all();
@@ -422,7 +435,7 @@ void DeviceQueue::GiveUp(uint64_t ticket) {
 }
 
 bool DeviceQueue::Fits(size_t size) const {
-  const uint64_t held = stats_.bytes_queued + reserved_bytes_;
+  const uint64_t held = stats_.bytes_queued + stats_.bytes_reserved;
   return held == 0 || held + size <= g_max_queue_bytes.load(std::memory_order_relaxed);
 }
 

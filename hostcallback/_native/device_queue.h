@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <set>
 #include <string>
@@ -23,6 +24,7 @@ struct QueueStats {
   uint64_t records_delivered = 0, bytes_delivered = 0;
   uint64_t markers_enqueued = 0, markers_delivered = 0;
   uint64_t bytes_queued = 0, peak_bytes_queued = 0;
+  uint64_t bytes_reserved = 0;  // room held for GPU taps whose copies are under way
   uint64_t waits = 0, wait_ns = 0;
   uint64_t producers_waiting = 0;
   uint64_t batches = 0;           // non-empty drains: records_delivered / batches is the mean batch
@@ -81,8 +83,9 @@ class DeviceQueue {
   // kDroppedAtExit: a tap that found the queues closed by interpreter exit (SetExiting).
   // kInterrupted: the main thread waited for room and a signal handler raised (interrupts.h).
   // kForked: this process is a fork() of the one whose receivers drain the queues.
+  // kWatchFailed: the watch a Reserve was given said its device failed.
   static constexpr int64_t kClosed = -1, kTimedOut = -2, kDroppedAtExit = -3, kInterrupted = -4,
-                           kForked = -5;
+                           kForked = -5, kWatchFailed = -6;
 
   // What WaitHandled found.
   // kInterrupted: a signal handler raised while the main thread waited (interrupts.h).
@@ -112,10 +115,14 @@ class DeviceQueue {
 
   // A record whose bytes arrive later (a GPU tap, cuda_tap.cc) joins in two steps. Reserve waits
   // (in line, as Push does, and forever) for room for `bytes` in the budget and holds it:
-  // 0, or kClosed or kInterrupted. Commit joins the record under a reservation of `reserved`
-  // bytes without waiting, at the end of the queue as it is then; kClosed (the record stays the
-  // caller's) when the queue was closed meanwhile. CancelReservation gives room back unused.
-  int64_t Reserve(uint64_t bytes);
+  // 0, or kClosed or kInterrupted. While it waits it calls `watch` (if given) every
+  // kWatchSeconds, without the lock: a non-empty answer (the device failed, so the records that
+  // would make room will never come) ends the wait with kWatchFailed. Commit joins the record
+  // under a reservation of `reserved` bytes without waiting, at the end of the queue as it is
+  // then; kClosed (the record stays the caller's) when the queue was closed meanwhile.
+  // CancelReservation gives room back unused.
+  static constexpr double kWatchSeconds = 1.0;
+  int64_t Reserve(uint64_t bytes, const std::function<bool()>& watch = nullptr);
   int64_t Commit(Record record, uint64_t reserved);
   void CancelReservation(uint64_t bytes) noexcept;
 
@@ -207,10 +214,11 @@ class DeviceQueue {
 
   bool Fits(size_t size) const;
 
-  // Waits for the ticket's turn and room for `bytes` (or a closed queue): 0, or kTimedOut or
-  // kInterrupted with the ticket given up and the lock released (called under mu_).
+  // Waits for the ticket's turn and room for `bytes` (or a closed queue): 0, or kTimedOut,
+  // kInterrupted or kWatchFailed (see Reserve) with the ticket given up and the lock released
+  // (called under mu_).
   int64_t WaitForRoom(std::unique_lock<std::mutex>& lock, uint64_t ticket, uint64_t bytes,
-                      double timeout_s);
+                      double timeout_s, const std::function<bool()>& watch = nullptr);
 
   // Puts an admitted record at the end of the queue, numbers it, calls on_joined (under mu_)
   // and wakes the receiver as needed; releases the lock. Throws bad_alloc with nothing joined.
@@ -236,7 +244,6 @@ class DeviceQueue {
   std::chrono::steady_clock::time_point batch_began_{};
   std::condition_variable handled_cv_;
   uint64_t next_ticket_ = 0, admitted_ = 0;
-  uint64_t reserved_bytes_ = 0;  // room held for records to come (Reserve), in the budget
   std::set<uint64_t> given_up_;  // tickets behind admitted_ whose producer stopped waiting
   bool closed_ = false;
   // Drains waiting (for a first record, or gathering a batch: coalescing_ of them).

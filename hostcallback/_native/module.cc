@@ -160,6 +160,37 @@ void EnqueueHandedOver(int device, uint64_t consumer_id, const HostLeaves& leave
   EnqueueFromPython(device, consumer_id, leaves, platform, kFlagHandedOverInPython, held_bytes);
 }
 
+// The two steps a GPU tap joins its queue in (DeviceQueue::Reserve, then Commit from the stream's
+// host function), taken from the host so that tests drive them where no GPU is.
+void ReserveFromHost(int device, uint64_t bytes, const std::string& platform) {
+  DeviceQueue* queue = CheckedQueue(platform, device);
+  int64_t reserved;
+  {
+    GilReleased released;
+    reserved = queue->Reserve(bytes);
+  }
+  if (reserved < 0) throw std::runtime_error(WhyNotEnqueued(queue, reserved, 0));
+}
+
+int64_t CommitFromHost(int device, uint64_t consumer_id, const HostLeaves& leaves,
+                       uint64_t reserved, const std::string& platform) {
+  DeviceQueue* queue = CheckedQueue(platform, device);
+  std::vector<ArrayView> arrays = ViewsOf(leaves);
+  Record record = EncodeRecord(consumer_id, static_cast<uint32_t>(device), arrays);
+  int64_t joined = DeviceQueue::kClosed;
+  try {
+    joined = queue->Commit(record, reserved);
+  } catch (...) {
+    ReleaseRecord(record);
+    throw;
+  }
+  if (joined < 0) {
+    ReleaseRecord(record);
+    throw std::runtime_error(queue->ClosedReason());
+  }
+  return joined;
+}
+
 // A uint8 array that owns the bytes, so a large answer reaches Python without another copy.
 nb::object OwningArray(std::vector<uint8_t>&& bytes) {
   auto* owned = new std::vector<uint8_t>(std::move(bytes));
@@ -238,6 +269,7 @@ nb::dict StatsOf(int device, const std::string& platform) {
   d["bytes_delivered"] = s.bytes_delivered;
   d["bytes_queued"] = s.bytes_queued;
   d["peak_bytes_queued"] = s.peak_bytes_queued;
+  d["bytes_reserved"] = s.bytes_reserved;
   d["waits"] = s.waits;
   d["wait_seconds"] = static_cast<double>(s.wait_ns) * 1e-9;
   d["producers_waiting"] = s.producers_waiting;
@@ -391,6 +423,22 @@ void DefineModule(nb::module_& m) {
         "wait in Python under that ticket (FLAG_HANDED_OVER_IN_PYTHON, "
         "hostcallback._records.handover); "
         "the queue's budget counts them until the record is drained.");
+  m.def("reserve", &ReserveFromHost, nb::arg("device"), nb::arg("bytes"),
+        nb::arg("platform") = kNativePlatform,
+        "Holds room for bytes in the queue's budget, waiting (GIL released) in line while it is "
+        "spent, as a GPU tap does at launch; raises when the queue is closed.");
+  m.def("commit", &CommitFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),
+        nb::arg("reserved"), nb::arg("platform") = kNativePlatform,
+        "Joins a record built from leaves under a reservation of `reserved` bytes, without "
+        "waiting, as a GPU tap's host function does; returns its sequence number, or raises "
+        "(the room given back) when the queue was closed meanwhile.");
+  m.def(
+      "cancel_reservation",
+      [](int device, uint64_t bytes, const std::string& platform) {
+        CheckedQueue(platform, device)->CancelReservation(bytes);
+      },
+      nb::arg("device"), nb::arg("bytes"), nb::arg("platform") = kNativePlatform,
+      "Gives back room a reservation held, unused.");
   m.attr("CALL_TIMEOUT_PREFIX") = kTimeoutPrefix;
   m.attr("CALL_FAILED_ELSEWHERE") = kCallFailedElsewhere;
   m.def("call", &CallFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),

@@ -20,25 +20,39 @@ struct PinnedStats {
   uint64_t pinned_bytes, in_use_bytes, hits, misses, pageable_fallbacks;
 };
 
+// Makes the stream's context current on this thread for the scope, where another (or none) is.
+// XLA's launching thread has it current already; the pool's calls and the tap's need it.
+class StreamContext {
+ public:
+  StreamContext(const cuda::Driver& driver, cuda::Stream stream);
+  ~StreamContext();
+  StreamContext(const StreamContext&) = delete;
+  StreamContext& operator=(const StreamContext&) = delete;
+
+ private:
+  const cuda::Driver& driver_;
+  bool pushed_ = false;
+};
+
 class PinnedPool {
  public:
-  // On the launching thread of `stream` (its context current, or made current here): a buffer of
-  // at least `size` bytes, *capacity what it holds. Null where the pinned memory would pass the
-  // pool's allowance (twice the queue budget) or CUDA has none left: the caller then takes
-  // pageable memory (counted as pageable_fallbacks), whose copy waits for the stream.
-  uint8_t* Get(const cuda::Driver& driver, cuda::Stream stream, size_t size, size_t* capacity);
+  // On a thread with the stream's context current (StreamContext): a buffer of at least `size`
+  // bytes, *capacity what it holds. Null where the pinned memory would pass the pool's allowance
+  // (twice the queue budget, at most a quarter of the machine's memory), with the free buffers
+  // of other sizes given back, or CUDA has none left: the caller then takes pageable memory
+  // (counted as pageable_fallbacks), whose copy waits for the stream. No CUDA call is made
+  // under the pool's lock. Pinned memory lives as long as the CUDA context: the pool keeps it
+  // to the end of the process, as JAX keeps its contexts.
+  uint8_t* Get(const cuda::Driver& driver, size_t size, size_t* capacity);
 
   // Any thread; never calls CUDA.
   void Put(uint8_t* data, size_t capacity) noexcept;
 
-  void NotePageableFallback();
-
   PinnedStats Stats();
 
  private:
-  // Frees free buffers (on the launching thread) until `wanted` more bytes fit the allowance;
-  // whether they fit (called under mu_).
-  bool MakeRoom(const cuda::Driver& driver, uint64_t wanted, uint64_t allowance);
+  static uint64_t Allowance();
+  static void ReturnToCuda(const cuda::Driver& driver, const std::vector<uint8_t*>& buffers);
 
   std::mutex mu_;
   std::unordered_map<size_t, std::vector<uint8_t*>> free_;  // size class -> free buffers

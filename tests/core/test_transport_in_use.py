@@ -31,6 +31,17 @@ def test_the_native_transport_lowers_to_our_custom_calls():
     assert JAX_CALLBACK_TARGET not in text
 
 
+def test_a_native_tap_lowered_for_a_cuda_gpu_is_the_gpu_tap_alone():
+    """On a CUDA device the same custom call runs the GPU tap handler (registered for CUDA), with
+    no fence around it: a GPU's results do not wait for its taps."""
+    with config.override(transport="native"):
+        tapped = jax.jit(lambda x: hcb.id_tap(lambda *a: None, x * 2))
+        text = tapped.trace(np.ones(3, np.float32)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("@hostcallback_tap(") == 1
+    assert "hostcallback_fence" not in text and "hostcallback_begin" not in text
+
+
 def test_the_callback_transport_lowers_to_jax_host_callbacks():
     with config.override(transport="callback"):
         text = _lower_tap_and_call()

@@ -31,6 +31,7 @@ def test_the_native_transport_lowers_to_our_custom_calls():
     assert JAX_CALLBACK_TARGET not in text
 
 
+@pytest.mark.needs_internals("the GPU tap (its taps on a GPU take JAX's callbacks)")
 def test_a_native_tap_lowered_for_a_cuda_gpu_is_the_gpu_tap_alone():
     """On a CUDA device the same custom call runs the GPU tap handler (registered for CUDA), with
     no fence around it: a GPU's results do not wait for its taps."""

@@ -47,7 +47,8 @@ PORTABLE_LACKS = ("transforms in tap functions (vmap taps once per batch element
                   "replays=, PURE taps, vmap methods of calls other than sequential, the device "
                   "of callback-transport records, synchronous native calls (a call function "
                   "that runs JAX work while steps are dispatched back to back waits forever), "
-                  "delivery=\"dispatch\", "
+                  "delivery=\"dispatch\", the native GPU tap (taps on a GPU take JAX's "
+                  "callbacks), "
                   "waits (barrier_wait, exit) that cover computations dispatched from another "
                   "thread whose results nobody holds, "
                   "and, before JAX 0.12, taps inside jax.checkpoint or inside loops under grad")

@@ -3,7 +3,8 @@
 The records of one tap site from one device differ only in their arrays' bytes, the step, the
 sequence number and the time. A FrameTemplate packs everything else once, with the general
 encoder (``TapRecord.to_map``) around unique hole markers, and cuts the packed bytes at the
-holes; ``frame_records`` in the compiled core then fills the holes for every record of a batch.
+holes; ``frame_records`` in the consumers' extension (consumer/_native/frames.cc) then fills the
+holes for every record of a batch.
 A template is used only after the frame it gives for a real record was compared, byte for byte,
 with the general encoder's frame of that record: a value the pieces cannot describe (custom
 pytree nodes written by their repr, a step that is not an integer) gets no template, and its
@@ -19,8 +20,9 @@ from typing import Any
 import numpy as np
 from jax import tree_util
 
-from hostcallback.addons import LEAVES, SEQUENCE, RecordBatch, frame_records
+from hostcallback.addons import LEAVES, SEQUENCE, RecordBatch
 
+from .native_frames import frames as compiled_frames
 from .stream import TapRecord, encode_value, frame_item, pack
 
 _STEP_KINDS = ("i", "u", "b")  # integer and bool steps; a float step is int()-ed in Python
@@ -52,9 +54,9 @@ class FrameTemplate:
         """The batch's frames, in order; ``now`` >= 0 sets every record's time (for checks).
         A ValueError for a record whose arrays have other dtypes or shapes than the template's
         (its bytes would not match the packed headers)."""
-        return frame_records(batch.records, batch.start, batch.stop, self.pieces,
-                                     self.leaf_dtypes, self.leaf_shapes, self.step_leaf,
-                                     self.step_kind, self.step_size, now)
+        return compiled_frames.frame_records(
+            batch.records, batch.start, batch.stop, self.pieces, self.leaf_dtypes,
+            self.leaf_shapes, self.step_leaf, self.step_kind, self.step_size, now)
 
 
 def make_template(batch: RecordBatch, fields: dict[str, Any]) -> FrameTemplate | None:

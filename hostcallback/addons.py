@@ -14,9 +14,6 @@ can write a sink the way ours are written:
 - ``format_value``, ``format_metadata`` and ``array_summary``: how ``id_print`` shows values.
 - ``EqualByKey``: a base for tap functions that are objects; equal ones (by ``_key()``) make
   one consumer, so retracing a step reuses its tap site.
-- ``frame_records``: the record stream's frames for a run of records, put together in C++ from
-  pieces packed once per tap site (``hostcallback.consumer.frame_templates`` packs and checks
-  them; ``_native/frames.h`` says what it takes).
 """
 
 from __future__ import annotations
@@ -26,16 +23,13 @@ from typing import Any
 from hostcallback._host.batches import RecordBatch
 from hostcallback._host.printing import array_summary, format_metadata, format_value
 from hostcallback._host.record_context import RecordContext, current_record
-from hostcallback._native import outfeed
 from hostcallback._records.record_layout import CONSUMER_ID, DEVICE_ID, FLAGS, LEAVES, SEQUENCE
 from hostcallback._records.registry import EqualByKey
 from hostcallback.lifecycle import lifecycle
 
 __all__ = ["CONSUMER_ID", "DEVICE_ID", "FLAGS", "LEAVES", "SEQUENCE", "EqualByKey", "RecordBatch",
            "RecordContext", "add_flush_hook", "array_summary", "current_record",
-           "format_metadata", "format_value", "frame_records"]
-
-frame_records = outfeed.frame_records
+           "format_metadata", "format_value"]
 
 
 def add_flush_hook(owner: Any) -> None:

@@ -21,6 +21,13 @@ _Leaf: TypeAlias = tuple[int, Sequence[int], _Bytes]
 # zero-copy views of the record, or, for a record that could not be decoded, why (a str).
 _DrainedRecord: TypeAlias = tuple[int, int, int, int, tuple[npt.NDArray[Any], ...] | str]
 
+class _PinnedStats(TypedDict):
+    pinned_bytes: int
+    in_use_bytes: int
+    hits: int
+    misses: int
+    pageable_fallbacks: int
+
 class _QueueStats(TypedDict):
     records_enqueued: int
     bytes_enqueued: int
@@ -85,7 +92,7 @@ CALL_FAILED_ELSEWHERE: Final[str]
 def registrations() -> dict[str, CapsuleType]: ...
 def cuda_registrations() -> dict[str, CapsuleType]: ...
 def set_cuda_device_ids(ids: Sequence[int]) -> None: ...
-def pinned_stats() -> dict[str, int]: ...
+def pinned_stats() -> _PinnedStats: ...
 
 # ---- the queues --------------------------------------------------------------------------------
 
@@ -158,19 +165,3 @@ def max_queue_bytes() -> int: ...
 
 def pooled_bytes() -> int: ...
 def pool_stats() -> _PoolStats: ...
-
-# ---- record-stream frames (frames.cc) ----------------------------------------------------------
-
-def frame_records(
-    records: list[_DrainedRecord],
-    start: int,
-    stop: int,
-    pieces: Sequence[bytes],
-    leaf_dtypes: Sequence[npt.DTypeLike],
-    leaf_shapes: Sequence[Sequence[int]],
-    step_leaf: int,
-    step_kind: str,
-    step_size: int,
-    now: float = -1.0,
-) -> list[bytes]: ...
-def crc32(data: bytes) -> int: ...

@@ -3,12 +3,8 @@
 // Each handler is a short function (its Impl) plus one XLA_FFI_DEFINE_HANDLER_SYMBOL binding that
 // reads like its signature. No Python, no GIL.
 //
-// These are the CPU handlers (kNativePlatform): their operands are host memory. A GPU handler
-// goes next to them: its own file, ffi_handlers_gpu.cc (built only where CUDA is found), declared
-// in ffi_handlers.h. It takes the stream from the FFI context and copies each operand into the
-// record with the device's copy engine instead of memcpy (the array copy in record.cc is the one
-// seam that changes); transport/native.py registers it for its platform. The queues, the pool,
-// the records and the receivers stay as they are.
+// These are the CPU handlers (kNativePlatform): their operands are host memory. The GPU tap is
+// cuda_tap.cc's: the same record and queues, its copies queued on the device's stream.
 
 #include "ffi_handlers.h"
 

@@ -20,11 +20,12 @@
 //   device_queue.{h,cc}  one queue per (platform, device), the table of them, Enqueue;
 //                        what its receiver has handled
 //   responses.{h,cc}     the answers to calls, and sending a call to wait for one
-//   ffi_handlers.{h,cc}  the XLA FFI handlers (tap, call, check, begin, fence); GPU handlers go
-//                        beside them
+//   ffi_handlers.{h,cc}  the CPU's XLA FFI handlers (tap, call, check, begin, fence)
+//   cuda_tap.{h,cc}      the GPU tap: copies and a host function queued on the device's stream
+//   cuda_driver.{h,cc}   the CUDA driver entry points the GPU tap uses, found at run time
+//   pinned_pool.{h,cc}   page-locked record buffers for the GPU tap
 //   numpy_api.{h,cc}     the one NumPy C API table of the extension
 //   numpy_records.{h,cc} drained records as numpy views; host arrays on their way in
-//   frames.{h,cc}        record-stream frames for the sinks, many records at once
 //   gil.h                releasing the GIL safely while the interpreter may be finalizing
 //   interrupts.{h,cc}    Ctrl-C while the main thread waits for the host
 //   module.cc            this file
@@ -53,7 +54,6 @@
 #include "cuda_tap.h"
 #include "device_queue.h"
 #include "ffi_handlers.h"
-#include "frames.h"
 #include "gil.h"
 #include "interrupts.h"
 #include "nanobind/nanobind.h"
@@ -517,7 +517,6 @@ void DefineModule(nb::module_& m) {
   m.def("pool_stats", &PoolStatsDict,
         "The buffer pool: pooled_bytes (free), in_use_bytes, hits and misses, records_held. "
         "in_use_bytes includes small records a receiver released since its last drain.");
-  DefineFrameFunctions(m);
   // The constants Python shares with the core (constants.h): Python reads them from here.
   m.attr("NATIVE_PLATFORM") = kNativePlatform;
   nb::dict wire_dtypes;

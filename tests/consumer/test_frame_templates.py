@@ -17,11 +17,11 @@ from jax import lax, tree_util
 
 import hostcallback as hcb
 from helpers import run_python
-from hostcallback._native import outfeed
 from hostcallback._records.registry import Consumer
 from hostcallback.addons import LEAVES, RecordBatch
 from hostcallback.consumer import FileSink, SinkTap, tap_to
 from hostcallback.consumer.frame_templates import make_template, step_of
+from hostcallback.consumer.native_frames import frames
 from hostcallback.consumer.stream import TapRecord, frame_item
 from hostcallback.consumer.stream_files import read_records, read_stream, stream_files
 
@@ -192,21 +192,21 @@ def test_bad_arguments_to_frame_records_are_value_errors():
     records = [(1, 0, 0, 0, (np.ones(1, np.float32),))]
     spec = ([np.dtype(np.float32)], [(1,)])
     with pytest.raises(ValueError, match="piece"):
-        outfeed.frame_records(records, 0, 1, [b""], *spec, -1, "i", 8)
+        frames.frame_records(records, 0, 1, [b""], *spec, -1, "i", 8)
     with pytest.raises(ValueError, match="outside"):
-        outfeed.frame_records(records, 0, 2, [b""] * 5, *spec, -1, "i", 8)
+        frames.frame_records(records, 0, 2, [b""] * 5, *spec, -1, "i", 8)
     with pytest.raises(ValueError, match="step"):
-        outfeed.frame_records(records, 0, 1, [b""] * 5, *spec, 0, "f", 4)
+        frames.frame_records(records, 0, 1, [b""] * 5, *spec, 0, "f", 4)
     with pytest.raises(ValueError, match="one dtype and one shape"):
-        outfeed.frame_records(records, 0, 1, [b""] * 5, spec[0], [], -1, "i", 8)
+        frames.frame_records(records, 0, 1, [b""] * 5, spec[0], [], -1, "i", 8)
     with pytest.raises(ValueError, match="template's arrays"):
-        outfeed.frame_records([("not", "a", "record")], 0, 1, [b""] * 5, *spec, -1, "i", 8)
+        frames.frame_records([("not", "a", "record")], 0, 1, [b""] * 5, *spec, -1, "i", 8)
 
 
 @pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 63, 1000, 1 << 16])
 def test_the_crc_is_zlibs(size):
     data = os.urandom(size)
-    assert outfeed.crc32(data) == zlib.crc32(data)
+    assert frames.crc32(data) == zlib.crc32(data)
 
 
 def test_a_run_whose_later_records_do_not_fit_its_template_is_framed_in_python(tmp_path):
@@ -275,7 +275,7 @@ def test_a_records_list_shortened_while_large_frames_are_filled_is_refused_not_r
     result = run_python("""
         import threading
         import numpy as np
-        from hostcallback._native import outfeed
+        from hostcallback.consumer.native_frames import frames
         big = np.zeros(1 << 17, np.uint8)  # over the size above which the GIL is released
         spec = ([np.uint8], [[1 << 17]])
         outcomes = set()
@@ -284,7 +284,7 @@ def test_a_records_list_shortened_while_large_frames_are_filled_is_refused_not_r
             shrink = threading.Thread(target=lambda: [records.pop() for _ in range(64)])
             shrink.start()
             try:
-                outfeed.frame_records(records, 0, 64, [b""] * 5, *spec, -1, "i", 8)
+                frames.frame_records(records, 0, 64, [b""] * 5, *spec, -1, "i", 8)
                 outcomes.add("framed")
             except ValueError as error:
                 outcomes.add(str(error))

@@ -31,9 +31,11 @@ SIDES = ("hostcallback._trace", "hostcallback._host")
 
 
 def modules() -> dict[str, pathlib.Path]:
+    """Every module by name: its .py file, or for a compiled one its .pyi stub."""
     found = {}
     for package, folder in FOLDERS.items():
-        for path in folder.rglob("*.py"):
+        stubs = [stub for stub in folder.rglob("*.pyi") if not stub.with_suffix(".py").exists()]
+        for path in [*folder.rglob("*.py"), *stubs]:
             parts = list(path.relative_to(folder).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()

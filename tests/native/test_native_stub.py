@@ -1,6 +1,6 @@
-"""The hand-written stub of the compiled core (_hostcallback_outfeed.pyi) says what the built
-module has: the same functions with the same parameters, the same constants, and the same keys
-in the dicts of statistics."""
+"""The hand-written stubs of the compiled modules (the core's _hostcallback_outfeed.pyi, the
+consumers' _frames.pyi) say what the built modules have: the same functions with the same
+parameters, the same constants, and the same keys in the dicts of statistics."""
 
 import ast
 import inspect
@@ -10,25 +10,30 @@ from pathlib import Path
 import pytest
 
 from hostcallback._native import outfeed
+from hostcallback.consumer.native_frames import frames
 
-STUB = (Path(__file__).resolve().parents[2] / "hostcallback" / "_native"
-        / "_hostcallback_outfeed.pyi")
-TREE = ast.parse(STUB.read_text())
+ROOT = Path(__file__).resolve().parents[2]
+STUBS = {"core": (ROOT / "hostcallback" / "_native" / "_hostcallback_outfeed.pyi", outfeed),
+         "frames": (ROOT / "consumer" / "_frames.pyi", frames)}
 
 
-def stub_functions() -> dict[str, list[str]]:
+def tree_of(module: str) -> ast.Module:
+    return ast.parse(STUBS[module][0].read_text())
+
+
+def stub_functions(module: str = "core") -> dict[str, list[str]]:
     return {node.name: [a.arg for a in (*node.args.posonlyargs, *node.args.args,
                                         *node.args.kwonlyargs)]
-            for node in TREE.body if isinstance(node, ast.FunctionDef)}
+            for node in tree_of(module).body if isinstance(node, ast.FunctionDef)}
 
 
-def stub_constants() -> set[str]:
-    return {node.target.id for node in TREE.body
+def stub_constants(module: str) -> set[str]:
+    return {node.target.id for node in tree_of(module).body
             if isinstance(node, ast.AnnAssign) and not node.target.id.startswith("_")}
 
 
 def stub_dict_keys(name: str) -> set[str]:
-    (typed_dict,) = [node for node in TREE.body
+    (typed_dict,) = [node for node in tree_of("core").body
                      if isinstance(node, ast.ClassDef) and node.name == name]
     return {node.target.id for node in typed_dict.body if isinstance(node, ast.AnnAssign)}
 
@@ -52,22 +57,25 @@ def built_parameters(function) -> list[str]:
     return names
 
 
-def test_the_stub_names_every_function_of_the_core_and_no_other():
-    built = {name for name, value in vars(outfeed).items()
+@pytest.mark.parametrize("module", sorted(STUBS))
+def test_the_stub_names_every_function_of_the_module_and_no_other(module):
+    built = {name for name, value in vars(STUBS[module][1]).items()
              if not name.startswith("_") and callable(value) and not inspect.isclass(value)}
-    assert set(stub_functions()) == built
+    assert set(stub_functions(module)) == built
 
 
-@pytest.mark.parametrize("name", sorted(stub_functions()))
-def test_each_function_takes_the_parameters_the_stub_says(name):
-    assert stub_functions()[name] == built_parameters(getattr(outfeed, name))
+@pytest.mark.parametrize(("module", "name"), [(module, name) for module in sorted(STUBS)
+                                              for name in sorted(stub_functions(module))])
+def test_each_function_takes_the_parameters_the_stub_says(module, name):
+    assert stub_functions(module)[name] == built_parameters(getattr(STUBS[module][1], name))
 
 
-def test_the_stub_names_every_constant_of_the_core_and_no_other():
-    built = {name for name, value in vars(outfeed).items()
+@pytest.mark.parametrize("module", sorted(STUBS))
+def test_the_stub_names_every_constant_of_the_module_and_no_other(module):
+    built = {name for name, value in vars(STUBS[module][1]).items()
              if not name.startswith("_") and not callable(value)
              and not inspect.ismodule(value)}
-    assert stub_constants() == built
+    assert stub_constants(module) == built
 
 
 def test_the_statistics_have_the_keys_the_stub_says():
@@ -75,3 +83,4 @@ def test_the_statistics_have_the_keys_the_stub_says():
     assert set(outfeed.stats(device, platform="test")) == stub_dict_keys("_QueueStats")
     assert set(outfeed.computations(device, platform="test")) == stub_dict_keys("_Computations")
     assert set(outfeed.pool_stats()) == stub_dict_keys("_PoolStats")
+    assert set(outfeed.pinned_stats()) == stub_dict_keys("_PinnedStats")

@@ -1,5 +1,6 @@
-// Record-stream frames for many drained records at once (the format: consumer/stream.py,
-// "Record stream format").
+// hostcallback.consumer._frames: record-stream frames for many drained records at once (the
+// format: consumer/stream.py, "Record stream format"), the sinks' fast path. An extension of the
+// consumer package's own, apart from the device core: the stream format is the consumers'.
 //
 // The records of one tap site from one device differ only in their arrays' bytes, the step, the
 // sequence number and the time; every other byte of their frames is the same. Python
@@ -10,9 +11,7 @@
 // record holds; a record that does not fit its template is refused with a ValueError, never
 // written.
 
-#include "numpy_api.h"  // first: before any other NumPy header
-
-#include "frames.h"
+#include "numpy_api.h"  // first: before any other NumPy header (the core's header; a table here)
 
 #include <algorithm>
 #include <cstdint>
@@ -301,7 +300,14 @@ nb::list FrameRecords(nb::list records, size_t start, size_t stop,
 
 }  // namespace
 
-void DefineFrameFunctions(nb::module_& m) {
+}  // namespace hostcallback
+
+NB_MODULE(_frames, m) {
+  using namespace hostcallback;
+  m.doc() = "hostcallback.consumer's record-stream frames, put together in C++";
+  if (!ImportNumpyApi()) throw nb::python_error();
+  RememberMainThread(nb::cast<unsigned long>(
+      nb::module_::import_("threading").attr("main_thread")().attr("ident")));
   m.def("frame_records", &FrameRecords, nb::arg("records"), nb::arg("start"), nb::arg("stop"),
         nb::arg("pieces"), nb::arg("leaf_dtypes"), nb::arg("leaf_shapes"), nb::arg("step_leaf"),
         nb::arg("step_kind"), nb::arg("step_size"), nb::arg("now") = -1.0,
@@ -315,5 +321,3 @@ void DefineFrameFunctions(nb::module_& m) {
       },
       nb::arg("data"), "CRC-32 as zlib.crc32 computes it (for tests).");
 }
-
-}  // namespace hostcallback

@@ -1,0 +1,31 @@
+"""Loads the consumers' compiled extension, ``hostcallback.consumer._frames`` (the record
+stream's frames put together in C++: consumer/_native/frames.cc), as ``frames``.
+
+A source checkout first on sys.path (``python -m pytest`` in the repository) finds this package
+in its ``consumer/`` folder, which holds no build: the installed package's copy of the folder,
+which does, is searched too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_package = sys.modules[__name__.rpartition(".")[0]]  # hostcallback.consumer, being imported
+
+try:
+    from hostcallback.consumer import _frames as frames
+except ImportError:
+    _package.__path__.extend(
+        folder for folder in (os.path.join(entry or os.getcwd(), "hostcallback", "consumer")
+                              for entry in sys.path)
+        if os.path.isdir(folder) and folder not in _package.__path__)
+    try:
+        from hostcallback.consumer import _frames as frames
+    except ImportError as error:  # pragma: no cover - only on a broken install
+        raise ImportError(
+            "hostcallback's consumer extension (hostcallback.consumer._frames) is not built or "
+            "not importable: install the package with `pip install .` from its source tree"
+        ) from error
+
+__all__ = ["frames"]

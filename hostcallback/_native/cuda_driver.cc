@@ -27,6 +27,7 @@ HOSTCALLBACK_SAME(ctx_pop_current, cuCtxPopCurrent_v2);
 HOSTCALLBACK_SAME(get_error_string, cuGetErrorString);
 HOSTCALLBACK_SAME(stream_query, cuStreamQuery);
 HOSTCALLBACK_SAME(stream_is_capturing, cuStreamIsCapturing);
+HOSTCALLBACK_SAME(memset_d32_async, cuMemsetD32Async);
 #undef HOSTCALLBACK_SAME
 static_assert(std::is_same_v<Stream, CUstream> && std::is_same_v<Context, CUcontext>);
 static_assert(std::is_same_v<DevicePtr, CUdeviceptr> && std::is_same_v<HostFn, CUhostFn>);
@@ -73,6 +74,7 @@ const Driver* Load(std::string* why) {
   if (!Find(library, "cuStreamIsCapturing", &driver.stream_is_capturing)) {
     missing = "cuStreamIsCapturing";
   }
+  if (!Find(library, "cuMemsetD32Async", &driver.memset_d32_async)) missing = "cuMemsetD32Async";
   if (missing != nullptr) {
     *why = std::string("hostcallback: the CUDA driver lacks ") + missing +
            ", which a GPU tap needs (CUDA 10 or newer)";

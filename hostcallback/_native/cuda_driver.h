@@ -50,6 +50,8 @@ struct Driver {
   Result (*get_error_string)(Result error, const char** text);     // cuGetErrorString
   Result (*stream_query)(Stream);                                  // cuStreamQuery
   Result (*stream_is_capturing)(Stream, CaptureStatus* status);    // cuStreamIsCapturing
+  Result (*memset_d32_async)(DevicePtr dst, unsigned value, size_t count,
+                             Stream);  // cuMemsetD32Async
 };
 
 // The driver's entry points, found once; null (and *why says why) where no CUDA driver is loaded

@@ -19,6 +19,7 @@
 #include "constants.h"
 #include "cuda_driver.h"
 #include "device_queue.h"
+#include "ffi_arrays.h"
 #include "pinned_pool.h"
 #include "record.h"
 #include "xla/ffi/api/ffi.h"
@@ -144,17 +145,12 @@ ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_i
           "hostcallback: a GPU tap cannot run in a CUDA graph being captured");
     }
 
-    std::vector<ArrayView> arrays;
-    arrays.reserve(args.size());
-    for (size_t i = 0; i < args.size(); ++i) {
-      ffi::ErrorOr<ffi::AnyBuffer> arg = args.get<ffi::AnyBuffer>(i);
-      if (!arg.has_value()) return arg.error();
-      ffi::AnyBuffer buffer = arg.value();
-      if (buffer.element_type() == ffi::DataType::TOKEN) continue;
-      auto dims = buffer.dimensions();
-      arrays.push_back(ArrayView{static_cast<uint8_t>(buffer.element_type()), dims.begin(),
-                                 dims.size(), buffer.untyped_data(), buffer.size_bytes()});
+    std::vector<ArrayView> arrays(args.size());
+    size_t count = 0;
+    if (ffi::Error error = CollectArrays(args, arrays.data(), &count); error.failure()) {
+      return error;
     }
+    arrays.resize(count);
     size_t header = 0;
     const size_t size = RecordSize(ArrayViews(arrays), &header);
     std::vector<size_t> offsets(arrays.size());
@@ -218,6 +214,58 @@ ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_i
   }
 }
 
+// The fence's host function: waits until the receiver has handled every record that joined the
+// queue before it, which on this stream is every tap of the computation (their host functions ran
+// first). The one host function that blocks, and only on the receiver, never on CUDA work: a
+// consumer stuck in one batch for kTapPatienceSeconds lets it go on (AwaitTaps), since that
+// consumer may be waiting for this very stream. A failed queue ends the wait; the barrier says why.
+void AwaitHandled(void* queue) noexcept {
+  static_cast<DeviceQueue*>(queue)->AwaitTaps(kTapPatienceSeconds);
+}
+
+// The driver, or an FFI error saying why there is none.
+ffi::Error WithDriver(const cuda::Driver** driver) {
+  std::string why;
+  *driver = cuda::GetDriver(&why);
+  return *driver != nullptr ? ffi::Error::Success() : ffi::Error::Internal(why);
+}
+
+ffi::Error BeginCudaImpl(cuda::Stream stream, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  (void)args;  // only the token that orders it
+  const cuda::Driver* driver = nullptr;
+  if (ffi::Error error = WithDriver(&driver); error.failure()) return error;
+  StreamContext context(*driver, stream);
+  for (size_t i = 0; i < rets.size(); ++i) {
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
+    if (!ret.has_value()) return ret.error();
+    ffi::AnyBuffer out = *ret.value();
+    if (out.element_type() != ffi::DataType::U32) continue;
+    const cuda::Result zeroed = driver->memset_d32_async(
+        reinterpret_cast<cuda::DevicePtr>(out.untyped_data()), 0, 1, stream);
+    if (static_cast<int>(zeroed) != 0) {
+      return ffi::Error::Internal(cuda::Describe(*driver, "a tapped computation's begin", zeroed));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error FenceCudaImpl(cuda::Stream stream, int32_t ordinal, ffi::RemainingArgs args,
+                         ffi::RemainingRets rets) {
+  (void)args;  // the taps' tokens, the begin's id and a weight: the stream orders it after them
+  (void)rets;  // a token
+  if (ordinal < 0) return ffi::Error::Success();
+  const cuda::Driver* driver = nullptr;
+  if (ffi::Error error = WithDriver(&driver); error.failure()) return error;
+  StreamContext context(*driver, stream);
+  DeviceQueue* queue = GpuQueueFor(GlobalIdOf(ordinal));
+  const cuda::Result launched = driver->launch_host_func(stream, AwaitHandled, queue);
+  if (static_cast<int>(launched) != 0) {
+    return ffi::Error::Internal(
+        cuda::Describe(*driver, "queuing a tapped computation's fence", launched));
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 void SetCudaDeviceIds(const std::vector<int>& ids) {
@@ -232,6 +280,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackTapCuda, TapCudaImpl,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Attr<uint64_t>("consumer_id")
                                   .Attr<int64_t>("emit_device")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    HostcallbackBeginCuda, BeginCudaImpl,
+    ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cuda::Stream>>().RemainingArgs().RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackFenceCuda, FenceCudaImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cuda::Stream>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
                                   .RemainingArgs()
                                   .RemainingRets());
 

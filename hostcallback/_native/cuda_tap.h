@@ -13,6 +13,13 @@ namespace hostcallback {
 // consumer_id and emit_device, as HostcallbackTap's.
 extern "C" XLA_FFI_Error* HostcallbackTapCuda(XLA_FFI_CallFrame* call_frame);
 
+// The begin and the end of a tapped computation on a GPU (fence.py): the begin hands out the id 0
+// (a GPU computation is not tracked: its barrier markers follow it on the stream); the fence
+// queues a host function that waits until the device's receiver has handled every record that
+// joined before it, so the computation's results are ready only once its taps were handled.
+extern "C" XLA_FFI_Error* HostcallbackBeginCuda(XLA_FFI_CallFrame* call_frame);
+extern "C" XLA_FFI_Error* HostcallbackFenceCuda(XLA_FFI_CallFrame* call_frame);
+
 // The global Device.id of each local CUDA device ordinal (the FFI's DeviceOrdinal), which names
 // its queue ("gpu", id); an ordinal not given is its own id.
 void SetCudaDeviceIds(const std::vector<int>& ids);

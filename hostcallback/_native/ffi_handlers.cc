@@ -12,11 +12,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <deque>
-#include <map>
 #include <mutex>
 #include <new>
-#include <random>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -24,6 +21,7 @@
 
 #include "constants.h"
 #include "device_queue.h"
+#include "ffi_arrays.h"
 #include "record.h"
 #include "responses.h"
 #include "timeouts.h"
@@ -34,21 +32,6 @@ namespace hostcallback {
 namespace ffi = xla::ffi;
 
 namespace {
-
-// The arrays to send: every operand but the ordering token, into out (room for args.size()).
-ffi::Error CollectArrays(ffi::RemainingArgs& args, ArrayView* out, size_t* count) {
-  *count = 0;
-  for (size_t i = 0; i < args.size(); ++i) {
-    ffi::ErrorOr<ffi::AnyBuffer> arg = args.get<ffi::AnyBuffer>(i);
-    if (!arg.has_value()) return arg.error();
-    ffi::AnyBuffer buffer = arg.value();
-    if (buffer.element_type() == ffi::DataType::TOKEN) continue;
-    auto dims = buffer.dimensions();
-    out[(*count)++] = ArrayView{static_cast<uint8_t>(buffer.element_type()), dims.begin(),
-                                dims.size(), buffer.untyped_data(), buffer.size_bytes()};
-  }
-  return ffi::Error::Success();
-}
 
 // Every handler's body runs inside this: a C++ exception (bad_alloc for a record larger than
 // memory) becomes an FFI error that fails the computation with the reason, never a crash.
@@ -158,43 +141,6 @@ ffi::Error FenceImpl(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
       },
       /*ends_on_failure=*/false);
 }
-
-// Why a shared call failed: written by the calling device under a failure id of its own, which
-// is the call's failure flag, read by every device of the computation in HostcallbackCheck once
-// the flag has reached them all (summed: only the caller's is not 0). Keyed by (consumer, id),
-// so that overlapping executions of one call, or a failure in another process, never read
-// another failure's reason. The newest kKept are kept: every device reads a reason right after
-// it was written.
-class CallFailures {
- public:
-  uint32_t Keep(uint64_t consumer_id, const std::string& reason) {
-    std::lock_guard<std::mutex> lock(mu_);
-    uint32_t id = next_id_++;
-    if (id == 0) id = next_id_++;  // 0 is "no failure"
-    reasons_[{consumer_id, id}] = reason;
-    order_.push_back({consumer_id, id});
-    if (order_.size() > kKept) {
-      reasons_.erase(order_.front());
-      order_.pop_front();
-    }
-    return id;
-  }
-
-  std::string Reason(uint64_t consumer_id, uint32_t id) {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto found = reasons_.find({consumer_id, id});
-    return found != reasons_.end() ? found->second : kCallFailedElsewhere;
-  }
-
- private:
-  static constexpr size_t kKept = 1024;
-  std::mutex mu_;
-  // A different start in each process: an id from another process is unlikely to be one here.
-  uint32_t next_id_ = static_cast<uint32_t>(std::random_device{}());
-  std::map<std::pair<uint64_t, uint32_t>, std::string> reasons_;
-  std::deque<std::pair<uint64_t, uint32_t>> order_;
-};
-CallFailures& g_call_failures = *new CallFailures();
 
 // Zeros in every output but the token.
 ffi::Error ZeroOutputs(ffi::RemainingRets& rets) {

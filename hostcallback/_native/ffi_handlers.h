@@ -20,11 +20,6 @@ extern "C" XLA_FFI_Error* HostcallbackCall(XLA_FFI_CallFrame* call_frame);
 // A shared call's check after its results and flags were summed: attribute consumer_id.
 extern "C" XLA_FFI_Error* HostcallbackCheck(XLA_FFI_CallFrame* call_frame);
 
-// Why a shared call failed where its reason is not in this process (it failed on a device of
-// another): the callback transport's check says the same (CALL_FAILED_ELSEWHERE).
-inline constexpr char kCallFailedElsewhere[] =
-    "hostcallback: the call failed on a device of another process (its log says why)";
-
 // A tap that returns once its record has been handled (the portable mode's): as HostcallbackTap.
 extern "C" XLA_FFI_Error* HostcallbackTapHandled(XLA_FFI_CallFrame* call_frame);
 

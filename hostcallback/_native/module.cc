@@ -21,6 +21,7 @@
 //                        what its receiver has handled
 //   responses.{h,cc}     the answers to calls, and sending a call to wait for one
 //   ffi_handlers.{h,cc}  the CPU's XLA FFI handlers (tap, call, check, begin, fence)
+//   ffi_arrays.h         the tapped arrays of an FFI call, for every handler
 //   cuda_tap.{h,cc}      the GPU tap: copies and a host function queued on the device's stream
 //   cuda_driver.{h,cc}   the CUDA driver entry points the GPU tap uses, found at run time
 //   pinned_pool.{h,cc}   page-locked record buffers for the GPU tap
@@ -380,9 +381,12 @@ void DefineModule(nb::module_& m) {
       []() {
         nb::dict d;
         d["hostcallback_tap"] = nb::capsule(reinterpret_cast<void*>(HostcallbackTapCuda));
+        d["hostcallback_begin"] = nb::capsule(reinterpret_cast<void*>(HostcallbackBeginCuda));
+        d["hostcallback_fence"] = nb::capsule(reinterpret_cast<void*>(HostcallbackFenceCuda));
         return d;
       },
-      "The handlers to register for the CUDA platform: the GPU tap (cuda_tap.cc).");
+      "The handlers to register for the CUDA platform: the GPU tap, and a tapped computation's "
+      "begin and fence (cuda_tap.cc).");
   m.def("set_cuda_device_ids", &SetCudaDeviceIds, nb::arg("ids"),
         "The global Device.id of each local CUDA device ordinal, in ordinal order.");
   m.def(
@@ -441,6 +445,22 @@ void DefineModule(nb::module_& m) {
       "Gives back room a reservation held, unused.");
   m.attr("CALL_TIMEOUT_PREFIX") = kTimeoutPrefix;
   m.attr("CALL_FAILED_ELSEWHERE") = kCallFailedElsewhere;
+  m.def(
+      "keep_call_failure",
+      [](uint64_t consumer_id, const std::string& reason) {
+        return g_call_failures.Keep(consumer_id, reason);
+      },
+      nb::arg("consumer_id"), nb::arg("reason"),
+      "Keeps why a shared call failed (the callback transport's calling device) under a new "
+      "failure id, the call's failure flag: never 0.");
+  m.def(
+      "call_failure_reason",
+      [](uint64_t consumer_id, uint32_t failure_id) {
+        return g_call_failures.Reason(consumer_id, failure_id);
+      },
+      nb::arg("consumer_id"), nb::arg("failure_id"),
+      "Why the shared call failed under that id (its check on every device), or "
+      "CALL_FAILED_ELSEWHERE where it failed in another process.");
   m.def("call", &CallFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),
         nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
         "Enqueues a call record and waits (GIL released) for the host's answer: one uint8 array "

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <random>
 
 #include "device_queue.h"
 #include "interrupts.h"
@@ -89,6 +90,29 @@ void Responses::Fail(const DeviceQueue* queue, const std::string& reason) {
 }
 
 Responses& g_responses = *new Responses();
+
+CallFailures::CallFailures() : next_id_(static_cast<uint32_t>(std::random_device{}())) {}
+
+uint32_t CallFailures::Keep(uint64_t consumer_id, const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint32_t id = next_id_++;
+  if (id == 0) id = next_id_++;  // 0 is "no failure"
+  reasons_[{consumer_id, id}] = reason;
+  order_.push_back({consumer_id, id});
+  if (order_.size() > kKept) {
+    reasons_.erase(order_.front());
+    order_.pop_front();
+  }
+  return id;
+}
+
+std::string CallFailures::Reason(uint64_t consumer_id, uint32_t id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto found = reasons_.find({consumer_id, id});
+  return found != reasons_.end() ? found->second : kCallFailedElsewhere;
+}
+
+CallFailures& g_call_failures = *new CallFailures();
 
 std::string CallHost(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
                      double timeout_s, Response* response, uint16_t flags,

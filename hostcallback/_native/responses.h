@@ -5,6 +5,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <string>
@@ -70,6 +71,39 @@ class Responses {
   std::map<const DeviceQueue*, std::string> failed_;
   bool closed_ = false;
 };
+
+// Why a shared call failed where its reason is not in this process (it failed on a device of
+// another).
+inline constexpr char kCallFailedElsewhere[] =
+    "hostcallback: the call failed on a device of another process (its log says why)";
+
+// Why a shared call failed: written by the calling device under a failure id of its own, which
+// is the call's failure flag, read by every device of the computation once the flag has reached
+// them all (summed: only the caller's is not 0): by HostcallbackCheck, or by the callback
+// transport's check in Python (keep_call_failure, call_failure_reason). Keyed by (consumer,
+// id), so that overlapping executions of one call, or a failure in another process, never read
+// another failure's reason. The newest kKept are kept: every device reads a reason right after
+// it was written.
+class CallFailures {
+ public:
+  CallFailures();
+
+  // The failure id (never 0, "no failure") the reason is kept under.
+  uint32_t Keep(uint64_t consumer_id, const std::string& reason);
+  // The reason, or kCallFailedElsewhere for an id not kept here.
+  std::string Reason(uint64_t consumer_id, uint32_t id);
+
+ private:
+  static constexpr size_t kKept = 1024;
+  std::mutex mu_;
+  // A different start in each process: an id from another process is unlikely to be one here.
+  uint32_t next_id_;
+  std::map<std::pair<uint64_t, uint32_t>, std::string> reasons_;
+  std::deque<std::pair<uint64_t, uint32_t>> order_;
+};
+
+// Never destroyed (see the rules at the top of module.cc).
+extern CallFailures& g_call_failures;
 
 // Never destroyed (see the rules at the top of module.cc).
 extern Responses& g_responses;

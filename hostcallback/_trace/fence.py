@@ -17,8 +17,10 @@ computation: jaxlib then runs it while dispatching it on CPU, as it runs computa
 own callbacks, so the dispatching call returns only once its taps were handled.
 ``configure(delivery="async")`` (``HOSTCALLBACK_DELIVERY=async``) lowers both to nothing in the
 computations compiled after it: results are ready as soon as the device is done, and the taps
-are delivered behind them. So does a platform without our native handlers. This module only
-writes computations; it never waits itself.
+are delivered behind them. So does a platform without our native handlers (TPU). On a CUDA GPU
+the begin writes a 0 id and the fence is a host function on the stream that waits for the taps
+(the stream waits there; XLA's launching thread goes on), and "dispatch" means "handled". This
+module only writes computations; it never waits itself.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from hostcallback import _jax as jx
 from hostcallback import config
 from hostcallback._jax import mlir
 from hostcallback._native import outfeed
+from hostcallback._trace import transport
 
 BEGIN_TARGET = "hostcallback_begin"
 FENCE_TARGET = "hostcallback_fence"
@@ -60,14 +63,23 @@ fence_end_p.multiple_results = True
 _deliveries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# Where the begin and the fence have handlers: the CPU's run on XLA's device thread; a CUDA GPU's
+# fence is a host function on the stream (_native/cuda_tap.cc), and "dispatch" is "handled" there.
+FENCED_PLATFORMS = (frozenset({outfeed.NATIVE_PLATFORM}) | transport.NATIVE_GPU_PLATFORMS
+                    if transport.NATIVE_PLATFORMS else frozenset())
+
+
 def _delivery(ctx) -> str:
-    """The module's delivery: "async" on a platform our native handlers do not run on (the
-    callback transport's taps join the same queues where they do)."""
+    """The module's delivery: "async" on a platform our fence does not run on (the callback
+    transport's taps join the same queues where it does, and the fence waits for them too)."""
     module = ctx.module_context.module
     if module not in _deliveries:
         platforms = ctx.module_context.platforms
-        native = len(platforms) == 1 and platforms[0] == outfeed.NATIVE_PLATFORM
-        _deliveries[module] = config.settings.delivery if native else "async"
+        fenced = len(platforms) == 1 and platforms[0] in FENCED_PLATFORMS
+        delivery = config.settings.delivery if fenced else "async"
+        if delivery == "dispatch" and platforms[0] != outfeed.NATIVE_PLATFORM:
+            delivery = "handled"
+        _deliveries[module] = delivery
     return _deliveries[module]
 
 

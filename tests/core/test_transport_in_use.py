@@ -31,16 +31,25 @@ def test_the_native_transport_lowers_to_our_custom_calls():
     assert JAX_CALLBACK_TARGET not in text
 
 
-@pytest.mark.needs_internals("the GPU tap (its taps on a GPU take JAX's callbacks)")
-def test_a_native_tap_lowered_for_a_cuda_gpu_is_the_gpu_tap_alone():
-    """On a CUDA device the same custom call runs the GPU tap handler (registered for CUDA), with
-    no fence around it: a GPU's results do not wait for its taps."""
-    with config.override(transport="native"):
+def _lower_for_cuda(**settings) -> str:
+    with config.override(**settings):
         tapped = jax.jit(lambda x: hcb.id_tap(lambda *a: None, x * 2))
-        text = tapped.trace(np.ones(3, np.float32)).lower(
-            lowering_platforms=("cuda",)).as_text()
+        return tapped.trace(np.ones(3, np.float32)).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.needs_internals("the GPU tap (its taps on a GPU take JAX's callbacks)")
+def test_a_native_tap_lowered_for_a_cuda_gpu_is_the_gpu_tap_between_a_begin_and_a_fence():
+    """On a CUDA device the same custom calls run the GPU handlers (registered for CUDA)."""
+    text = _lower_for_cuda(transport="native")
     assert text.count("@hostcallback_tap(") == 1
-    assert "hostcallback_fence" not in text and "hostcallback_begin" not in text
+    assert text.count("@hostcallback_begin(") == 1 and text.count("@hostcallback_fence(") == 1
+    assert JAX_CALLBACK_TARGET not in text
+
+
+@pytest.mark.needs_internals("the GPU tap (its taps on a GPU take JAX's callbacks)")
+def test_async_delivery_leaves_a_gpu_computation_without_its_fence():
+    text = _lower_for_cuda(transport="native", delivery="async")
+    assert text.count("@hostcallback_tap(") == 1 and "hostcallback_fence" not in text
 
 
 def test_the_callback_transport_lowers_to_jax_host_callbacks():

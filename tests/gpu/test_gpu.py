@@ -80,6 +80,24 @@ def test_call_returns_the_hosts_answer(transport, gpu):
     np.testing.assert_array_equal(np.asarray(out), np.arange(4) * 3 + 1)
 
 
+def test_results_are_ready_only_once_their_taps_were_handled(transport, gpu):
+    seen = []
+    step, x = slow_step(gpu, seen)
+    for _ in range(3):
+        step(x).block_until_ready()
+        assert len(seen) == 1, "block_until_ready returned before the step's tap was handled"
+        seen.clear()
+
+
+def test_async_delivery_makes_results_ready_before_the_taps(transport, gpu):
+    seen = []
+    with config.override(delivery="async"):
+        step, x = slow_step(gpu, seen)
+    step(x).block_until_ready()
+    hcb.barrier_wait()
+    assert len(seen) == 1
+
+
 def test_a_barrier_covers_a_step_still_running(transport, gpu):
     seen = []
     step, x = slow_step(gpu, seen)

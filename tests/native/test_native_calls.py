@@ -148,3 +148,14 @@ def test_a_call_times_out_while_its_queue_stays_full_and_the_line_moves_on():
         behind.join(30)
     assert wire.decode_record(raw).arrays[0][0] == 7  # not stuck behind the call that gave up
     assert stats()["calls_waiting"] == 0 and stats()["producers_waiting"] == 0
+
+
+def test_a_shared_calls_failure_is_kept_under_an_id_of_its_own_for_every_transport():
+    """One table for both transports' shared calls: the calling device keeps the reason, every
+    device's check reads it back by (consumer, id); an id from elsewhere reads as such."""
+    first = outfeed.keep_call_failure(5, "the call function raised")
+    second = outfeed.keep_call_failure(5, "it timed out")
+    assert 0 not in (first, second) and first != second
+    assert outfeed.call_failure_reason(5, first) == "the call function raised"
+    assert outfeed.call_failure_reason(5, second) == "it timed out"
+    assert outfeed.call_failure_reason(6, first) == outfeed.CALL_FAILED_ELSEWHERE

@@ -29,6 +29,15 @@ def stats(device):
     return outfeed.stats(device, platform=TEST_PLATFORM)
 
 
+def waiting_producer(device) -> threading.Thread:
+    """A tap of consumer 3 enqueued from another thread, once it waits for room."""
+    producer = threading.Thread(target=outfeed.enqueue, args=(device, 3, [leaf(np.int32(3))]),
+                                kwargs={"platform": TEST_PLATFORM})
+    producer.start()
+    wait_until(lambda: stats(device)["producers_waiting"] == 1, what="the producer waits")
+    return producer
+
+
 def test_a_committed_record_arrives_whole_with_the_next_sequence_number():
     device = fresh_queue()
     value = np.arange(10, dtype=np.float32)
@@ -57,10 +66,7 @@ def test_a_reservation_holds_its_room_until_its_record_is_drained():
     device = fresh_queue()
     with config.override(max_queue_bytes=BUDGET):
         outfeed.reserve(device, BUDGET, platform=TEST_PLATFORM)
-        later = threading.Thread(target=outfeed.enqueue, args=(
-            device, 3, [leaf(np.int32(3))]), kwargs={"platform": TEST_PLATFORM})
-        later.start()
-        wait_until(lambda: stats(device)["producers_waiting"] == 1, what="the producer waits")
+        later = waiting_producer(device)
         big = np.zeros((BUDGET - 4096) // 4, dtype=np.int32)
         outfeed.commit(device, 1, [leaf(big)], BUDGET, platform=TEST_PLATFORM)
         assert later.is_alive()  # the committed record still holds the room
@@ -89,10 +95,7 @@ def test_cancelling_a_reservation_lets_the_next_producer_in():
     device = fresh_queue()
     with config.override(max_queue_bytes=BUDGET):
         outfeed.reserve(device, BUDGET, platform=TEST_PLATFORM)
-        later = threading.Thread(target=outfeed.enqueue, args=(
-            device, 3, [leaf(np.int32(3))]), kwargs={"platform": TEST_PLATFORM})
-        later.start()
-        wait_until(lambda: stats(device)["producers_waiting"] == 1, what="the producer waits")
+        later = waiting_producer(device)
         outfeed.cancel_reservation(device, BUDGET, platform=TEST_PLATFORM)
         later.join(timeout=10)
         assert not later.is_alive()

@@ -10,12 +10,8 @@ calls the consumer itself.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import itertools
-import random
 import sys
-import threading
 from collections.abc import Callable
 
 import jax
@@ -98,7 +94,7 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, to
             reason = str(error) if isinstance(error, RuntimeError) else describe_error(error)
             if reason.startswith(outfeed.CALL_TIMEOUT_PREFIX):
                 _report_shared_timeout(reason)
-            return zeros()[:-1] + (np.uint32(_shared_call_failures.keep(consumer_id, reason)),)
+            return zeros()[:-1] + (np.uint32(outfeed.keep_call_failure(consumer_id, reason)),)
         return results + (np.uint32(0),) if shared else results
 
     if isinstance(op_sharding, jx.SdyArrayList) and result_avals:
@@ -175,37 +171,6 @@ def _report_shared_timeout(reason: str) -> None:
           "fails with this error)", file=sys.stderr, flush=True)
 
 
-class _SharedCallFailures:
-    """Why a shared call failed, under a failure id of its own that is the call's failure flag
-    (see call), read by check on every device: keyed by (consumer, id), so that overlapping
-    executions of one call, or a failure in another process, never read another's reason. The
-    newest KEPT are kept: every device reads a reason right after it was written."""
-
-    KEPT = 1024
-
-    def __init__(self) -> None:
-        self._reasons: collections.OrderedDict[tuple[int, int], str] = collections.OrderedDict()
-        self._lock = threading.Lock()
-        # A different start in each process: an id from another process is unlikely to be one
-        # here.
-        self._ids = itertools.count(random.SystemRandom().randrange(1, 1 << 31))
-
-    def keep(self, consumer_id: int, reason: str) -> int:
-        with self._lock:
-            failure_id = next(self._ids) % (1 << 32) or next(self._ids)  # 0 is "no failure"
-            self._reasons[(consumer_id, failure_id)] = reason
-            if len(self._reasons) > self.KEPT:
-                self._reasons.popitem(last=False)
-            return failure_id
-
-    def reason(self, consumer_id: int, failure_id: int) -> str:
-        with self._lock:
-            return self._reasons.get((consumer_id, failure_id), outfeed.CALL_FAILED_ELSEWHERE)
-
-
-_shared_call_failures = _SharedCallFailures()
-
-
 def check(ctx, failed, values, *, consumer_id: int, op_sharding):
     """After a shared call's results and failure flags were summed over the devices: every
     device fails with the call's reason when any failed, else passes the flag and the values
@@ -213,7 +178,7 @@ def check(ctx, failed, values, *, consumer_id: int, op_sharding):
     def check_on_host(failed, *values):
         if failed:
             outfeed.computation_failed()  # XLA runs nothing more of it, fence included
-            raise RuntimeError(_shared_call_failures.reason(consumer_id, int(failed)))
+            raise RuntimeError(outfeed.call_failure_reason(consumer_id, int(failed)))
         return (failed, *values)
 
     avals = list(ctx.avals_in)

@@ -383,7 +383,7 @@ class ReceiverPool:
                         self._call_not_run(consumer, device)
                         continue
                     current.record = record
-                    result = consumer.call(arguments, device)
+                    result = consumer.invoke(arguments, device)
                     current.record = None
                     handover.respond(key[0], key[1], record[SEQUENCE], ticket,
                                      results.result_leaves(consumer, result))
@@ -393,7 +393,7 @@ class ReceiverPool:
                         self._call_not_run(consumer, device)  # its caller gave up already
                         continue
                     current.record = record
-                    result = consumer.call(record[LEAVES], device)
+                    result = consumer.invoke(record[LEAVES], device)
                     current.record = None
                     if record[FLAGS] & wire.FLAG_EXPECTS_RESPONSE:
                         outfeed.respond(key[1], record[SEQUENCE],

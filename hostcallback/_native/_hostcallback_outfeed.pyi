@@ -123,14 +123,14 @@ def enqueue_handed_over(
     held_bytes: int,
     platform: str = "cpu",
 ) -> None: ...
-def call(
+def call_host(
     device: int,
     consumer_id: int,
     leaves: Sequence[_Leaf],
     timeout_s: float,
     platform: str = "cpu",
 ) -> list[npt.NDArray[np.uint8]]: ...
-def call_handed_over(
+def call_host_handed_over(
     device: int,
     consumer_id: int,
     leaves: Sequence[_Leaf],

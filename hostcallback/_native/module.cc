@@ -461,11 +461,11 @@ void DefineModule(nb::module_& m) {
       nb::arg("consumer_id"), nb::arg("failure_id"),
       "Why the shared call failed under that id (its check on every device), or "
       "CALL_FAILED_ELSEWHERE where it failed in another process.");
-  m.def("call", &CallFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),
+  m.def("call_host", &CallFromHost, nb::arg("device"), nb::arg("consumer_id"), nb::arg("leaves"),
         nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
         "Enqueues a call record and waits (GIL released) for the host's answer: one uint8 array "
         "per result leaf, owning its bytes.");
-  m.def("call_handed_over", &CallHandedOver, nb::arg("device"), nb::arg("consumer_id"),
+  m.def("call_host_handed_over", &CallHandedOver, nb::arg("device"), nb::arg("consumer_id"),
         nb::arg("leaves"), nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
         "As call, for a call whose leaves are its ticket and whose answer the receiver hands "
         "over in Python, under that ticket (FLAG_HANDED_OVER_IN_PYTHON, "

@@ -48,7 +48,7 @@ _taps: dict[int, tuple[tuple[str, int], tuple[np.ndarray, ...]]] = {}
 _HANDED_OVER_TAP = wire.FLAG_HANDED_OVER_IN_PYTHON | wire.FLAG_EXPECTS_RESPONSE
 
 
-def tap(device: int, consumer_id: int, arrays: Sequence[np.ndarray], platform: str) -> None:
+def enqueue_tap(device: int, consumer_id: int, arrays: Sequence[np.ndarray], platform: str) -> None:
     """Queues a tap of ``arrays`` as outfeed.enqueue does: handed over when large and each
     owning its memory whole, else copied into the record."""
     held_bytes = sum(a.nbytes for a in arrays)
@@ -103,16 +103,16 @@ def forget_queue(platform: str, device: int) -> None:
             _taps.pop(ticket, None)
 
 
-def call(device: int, consumer_id: int, arrays: Sequence[np.ndarray], timeout_s: float,
+def call_and_wait(device: int, consumer_id: int, arrays: Sequence[np.ndarray], timeout_s: float,
          platform: str) -> list[np.ndarray]:
     """Calls the consumer with ``arrays`` and returns its answer, one uint8 array per result
-    leaf, as outfeed.call does, without copying either."""
+    leaf, as outfeed.call_host does, without copying either."""
     arguments = tuple(_read_only(a) for a in arrays)
     ticket = next(_tickets)
     _arguments[ticket] = arguments
     try:
         try:
-            outfeed.call_handed_over(device, consumer_id, [wire.as_leaf(np.uint64(ticket))],
+            outfeed.call_host_handed_over(device, consumer_id, [wire.as_leaf(np.uint64(ticket))],
                                      timeout_s, platform=platform)
             return _answers[ticket]
         finally:

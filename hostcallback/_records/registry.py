@@ -79,10 +79,10 @@ class Consumer:
         object.__setattr__(self, "deliver", self._make_deliver())
 
     def _make_deliver(self) -> Callable[..., Any]:
-        """call(), without the branches that never apply to this consumer: most taps are a
+        """invoke(), without the branches that never apply to this consumer: most taps are a
         plain function of one array or of a pytree, without device or key arrays."""
         if self.is_call or self.with_device or self.key_impls or self.per_device_transforms:
-            return self.call
+            return self.invoke
         func, transforms = self.func, self.transforms
         if self.treedef.num_nodes == 1 and self.treedef.num_leaves == 1:  # one array
             return lambda leaves, device: func(leaves[0], transforms)
@@ -100,7 +100,7 @@ class Consumer:
                       for leaf, impl in zip(leaves, self.key_impls)]
         return tree_util.tree_unflatten(self.treedef, leaves)
 
-    def call(self, leaves, device) -> Any:
+    def invoke(self, leaves, device) -> Any:
         """Rebuilds the tapped pytree and calls the consumer the way the legacy API did:
         taps as func(arg, transforms), calls as func(arg), each with device=d when asked."""
         arg = self.arg_of(leaves)

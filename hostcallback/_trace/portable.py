@@ -52,7 +52,8 @@ def host_device():
 def _enqueue_on_host(consumer_id: int, await_handled: bool):
     def enqueue(*arrays):
         device = host_device()
-        handover.tap(device.id, consumer_id, [np.asarray(a) for a in arrays], device.platform)
+        handover.enqueue_tap(device.id, consumer_id, [np.asarray(a) for a in arrays],
+                             device.platform)
         if await_handled:
             failure = outfeed.await_taps(device.id, platform=device.platform)
             if failure:
@@ -107,7 +108,7 @@ def _call(leaves, consumer_id, transport_name, result_avals, timeout_s, flavor, 
 
     def call_on_host(*arrays):
         device = host_device()
-        answers = handover.call(device.id, consumer_id, [np.asarray(a) for a in arrays],
+        answers = handover.call_and_wait(device.id, consumer_id, [np.asarray(a) for a in arrays],
                                 timeout_s, platform=device.platform)
         return tuple(np.frombuffer(answer, dtype=s.dtype).reshape(s.shape)
                      for answer, s in zip(answers, shapes))

@@ -275,17 +275,17 @@ def _lowering(ctx, *args, platform, **params):
         block = ir.InsertionPoint.current.block
         token = _token_chain(ctx).get(block) or jx.hlo.create_token()
     if is_call:
-        token, outs = emit.call(ctx, list(args), consumer_id=consumer_id,
+        token, outs = emit.lower_call(ctx, list(args), consumer_id=consumer_id,
                                 emit_device=emit_device, device_index=params["device_index"],
                                 token=token, op_sharding=op_sharding,
                                 result_avals=result_avals, timeout_s=timeout_s)
     elif params["shard_callback"] != NO_SHARD_CALLBACK:
-        token = emit.tap_shard(ctx, list(args), consumer_id=consumer_id,
+        token = emit.lower_tap_shard(ctx, list(args), consumer_id=consumer_id,
                                callback_index=params["shard_callback"], token=token,
                                op_sharding=op_sharding)
         outs = list(args)
     else:
-        token = emit.tap(ctx, list(args), consumer_id=consumer_id, emit_device=emit_device,
+        token = emit.lower_tap(ctx, list(args), consumer_id=consumer_id, emit_device=emit_device,
                          device_index=params["device_index"], token=token,
                          op_sharding=op_sharding)
         outs = list(args)

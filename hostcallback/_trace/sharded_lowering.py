@@ -110,7 +110,7 @@ def _check_lowering(ctx, failed, *values, consumer_id, transport, platform):
     op_sharding = None
     if isinstance(ctx.module_context.axis_context, jx.SPMDAxisContext):
         op_sharding = manual_sharding([v.ndim for v in ctx.avals_out])
-    return emitter_for(transport, platform).check(ctx, failed, list(values),
+    return emitter_for(transport, platform).lower_check(ctx, failed, list(values),
                                                   consumer_id=consumer_id,
                                                   op_sharding=op_sharding)
 

@@ -77,7 +77,7 @@ def test_a_late_answer_to_a_call_that_timed_out_leaves_nothing_behind():
 
 def test_an_argument_of_a_dtype_records_cannot_hold_is_refused_clearly():
     with pytest.raises(wire.UnsupportedDtypeError, match="dtype <U4 cannot be tapped"):
-        handover.call(0, 1, [np.array(["text"])], 1.0, platform="cpu")
+        handover.call_and_wait(0, 1, [np.array(["text"])], 1.0, platform="cpu")
     assert handover._arguments == {}
 
 

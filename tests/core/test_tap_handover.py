@@ -58,7 +58,7 @@ def test_a_small_tap_is_copied_into_its_record():
 def test_a_handed_over_tap_queues_a_ticket_and_the_receiver_gets_the_array_itself():
     device = fresh_queue()
     array = np.arange(LARGE, dtype=np.uint8)
-    handover.tap(device, 7, [array], TEST_PLATFORM)
+    handover.enqueue_tap(device, 7, [array], TEST_PLATFORM)
     (record,) = drained(device)
     assert record[FLAGS] == wire.FLAG_HANDED_OVER_IN_PYTHON
     (record,) = handover.with_tap_arrays([record])
@@ -69,7 +69,7 @@ def test_a_handed_over_tap_queues_a_ticket_and_the_receiver_gets_the_array_itsel
 
 def test_the_queue_budget_counts_the_arrays_a_handed_over_tap_stands_for():
     device = fresh_queue()
-    handover.tap(device, 7, [np.zeros(LARGE, np.uint8)], TEST_PLATFORM)
+    handover.enqueue_tap(device, 7, [np.zeros(LARGE, np.uint8)], TEST_PLATFORM)
     stats = outfeed.stats(device, platform=TEST_PLATFORM)
     assert LARGE < stats["bytes_queued"] < LARGE + 1024  # the arrays and the ticket's record
     handover.with_tap_arrays(drained(device))
@@ -77,8 +77,8 @@ def test_the_queue_budget_counts_the_arrays_a_handed_over_tap_stands_for():
 
 
 def assert_copied_into_the_record(device: int, arrays: list) -> None:
-    """Taps ``arrays`` through handover.tap and checks that its record holds copies of them."""
-    handover.tap(device, 7, arrays, TEST_PLATFORM)
+    """Taps ``arrays`` through handover.enqueue_tap; checks that its record holds copies of them."""
+    handover.enqueue_tap(device, 7, arrays, TEST_PLATFORM)
     (record,) = drained(device)
     assert record[FLAGS] == 0
     assert handover._taps == {}
@@ -106,7 +106,7 @@ def test_a_handed_over_tap_on_a_failed_queue_raises_the_reason_and_leaves_nothin
     device = fresh_queue()
     outfeed.fail(device, "its receiver died", platform=TEST_PLATFORM)
     with pytest.raises(RuntimeError, match="its receiver died"):
-        handover.tap(device, 7, [np.zeros(LARGE, np.uint8)], TEST_PLATFORM)
+        handover.enqueue_tap(device, 7, [np.zeros(LARGE, np.uint8)], TEST_PLATFORM)
     assert handover._taps == {}
 
 

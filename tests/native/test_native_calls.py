@@ -36,7 +36,7 @@ def call_in_thread(device, value, timeout_s):
 
     def run():
         try:
-            out["answer"] = outfeed.call(device, 3, [leaf(np.int32(value))], timeout_s,
+            out["answer"] = outfeed.call_host(device, 3, [leaf(np.int32(value))], timeout_s,
                                          platform=TEST_PLATFORM)
         except Exception as error:  # noqa: BLE001 - the test checks it
             out["error"] = error
@@ -115,7 +115,7 @@ def test_the_core_refuses_negative_and_nan_timeouts(timeout):
     with pytest.raises(ValueError, match="timeout"):
         outfeed.drain_raw(fresh_queue(), 1, 1, timeout, platform=TEST_PLATFORM)
     with pytest.raises(ValueError, match="timeout"):
-        outfeed.call(fresh_queue(), 1, [], timeout, platform=TEST_PLATFORM)
+        outfeed.call_host(fresh_queue(), 1, [], timeout, platform=TEST_PLATFORM)
 
 
 @pytest.mark.timeout(60)
@@ -126,7 +126,7 @@ def test_a_call_times_out_while_its_queue_stays_full_and_the_line_moves_on():
 
     def call():
         try:
-            outfeed.call(device, 5, [leaf(np.int32(1))], 0.5, platform=TEST_PLATFORM)
+            outfeed.call_host(device, 5, [leaf(np.int32(1))], 0.5, platform=TEST_PLATFORM)
         except RuntimeError as error:
             errors.append(str(error))
 

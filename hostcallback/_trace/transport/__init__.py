@@ -1,14 +1,15 @@
 """The two ways a tap's bytes reach the outfeed queues; both feed the same receivers.
 
-A transport module writes the MLIR for one tap, ``tap(ctx, args, *, consumer_id, emit_device,
-device_index, token, op_sharding) -> token``, and for one call, ``call(ctx, args, *, consumer_id,
-emit_device, device_index, token, op_sharding, result_avals, timeout_s) -> (token, results)``.
+A transport module writes the MLIR for one tap, ``lower_tap(ctx, args, *, consumer_id,
+emit_device, device_index, token, op_sharding) -> token``, and for one call, ``lower_call(ctx,
+args, *, consumer_id, emit_device, device_index, token, op_sharding, result_avals, timeout_s)
+-> (token, results)``.
 emit_device is the one device that enqueues (its id, or NO_LOCAL_DEVICE if another process has
 it) or ALL_DEVICES; where it is one device, device_index is that device's place among the
 computation's devices, the same in every process. A shared call's devices then agree through
-``check(ctx, failed, values, *, consumer_id, op_sharding)``. For a partitioned tap under
+``lower_check(ctx, failed, values, *, consumer_id, op_sharding)``. For a partitioned tap under
 automatic sharding, ``shard_callback(ctx)`` registers what each device's shard needs with the
-whole computation and returns its index for ``tap_shard(ctx, args, *, consumer_id,
+whole computation and returns its index for ``lower_tap_shard(ctx, args, *, consumer_id,
 callback_index, token, op_sharding)``, or returns None where a shard lowers as any tap does.
 The lowering picks its transport once (emitter_for) and talks only to it. The native one calls
 our C++ FFI handlers on the device thread (native_gpu: on a CUDA GPU's stream, for taps); the

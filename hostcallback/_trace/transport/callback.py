@@ -39,14 +39,14 @@ def _device_of_partition(axis_context) -> Callable[[np.ndarray], jax.Device]:
     return lambda partition: devices[int(partition)]
 
 
-def tap(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, token,
+def lower_tap(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, token,
         op_sharding):
     device_of = _device_of_partition(ctx.module_context.axis_context)
 
     def enqueue_on_host(partition, *arrays):  # on the emitting device(s) only
         device = device_of(partition)
         try:
-            handover.tap(device.id, consumer_id, arrays, device.platform)
+            handover.enqueue_tap(device.id, consumer_id, arrays, device.platform)
         except BaseException:
             outfeed.computation_failed()  # XLA runs nothing more of it, fence included
             raise
@@ -66,7 +66,7 @@ def tap(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, tok
     return token_out
 
 
-def call(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, token,
+def lower_call(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, token,
          op_sharding, result_avals, timeout_s: float):
     """The device's Python callback sends the record and waits (GIL released) for the answer.
     A call shared over the devices of a sharded computation (emit_device != ALL_DEVICES): the other
@@ -83,7 +83,7 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, to
     def call_on_host(partition, *arrays):  # on the calling device(s) only
         device = device_of(partition)
         try:
-            answers = handover.call(device.id, consumer_id, arrays, timeout_s,
+            answers = handover.call_and_wait(device.id, consumer_id, arrays, timeout_s,
                                     platform=device.platform)
             results = tuple(np.frombuffer(answer, dtype=dtype).reshape(shape)
                             for answer, (shape, dtype) in zip(answers, shapes))
@@ -171,7 +171,7 @@ def _report_shared_timeout(reason: str) -> None:
           "fails with this error)", file=sys.stderr, flush=True)
 
 
-def check(ctx, failed, values, *, consumer_id: int, op_sharding):
+def lower_check(ctx, failed, values, *, consumer_id: int, op_sharding):
     """After a shared call's results and failure flags were summed over the devices: every
     device fails with the call's reason when any failed, else passes the flag and the values
     through."""
@@ -201,7 +201,7 @@ def shard_callback(ctx) -> int:
     host callback each device's shard calls, and returns its index.
 
     XLA builds the per-shard computation later, as a separate module whose own host callbacks are
-    thrown away; it calls this one by index instead (tap_shard), with the consumer id and its
+    thrown away; it calls this one by index instead (lower_tap_shard), with the consumer id and its
     partition id as operands.
     """
     if ctx.module_context.platforms[0] not in jx.PYTHON_CALLBACK_TARGETS:
@@ -213,13 +213,13 @@ def shard_callback(ctx) -> int:
 
     def enqueue_shard(token, consumer_id, partition, *arrays):
         device = device_of(partition)
-        handover.tap(device.id, int(consumer_id), arrays, device.platform)
+        handover.enqueue_tap(device.id, int(consumer_id), arrays, device.platform)
         return (token,)
 
     return jx.add_host_callback(ctx, enqueue_shard)
 
 
-def tap_shard(ctx, args, *, consumer_id: int, callback_index: int, token, op_sharding):
+def lower_tap_shard(ctx, args, *, consumer_id: int, callback_index: int, token, op_sharding):
     """One device's shard of a partitioned tap: calls the callback shard_callback registered with
     the whole computation, with this device's partition id."""
     target = jx.PYTHON_CALLBACK_TARGETS[ctx.module_context.platforms[0]]

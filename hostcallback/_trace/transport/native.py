@@ -40,7 +40,7 @@ _lower_call = jax.ffi.ffi_lowering(CALL_TARGET, has_side_effect=True)
 _lower_check = jax.ffi.ffi_lowering(CHECK_TARGET, has_side_effect=True)
 
 
-def tap(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, token,
+def lower_tap(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, token,
         op_sharding):
     del device_index  # the handler compares its own device with emit_device
     call_ctx = dataclasses.replace(ctx, avals_in=[jx.abstract_token, *ctx.avals_in],
@@ -62,7 +62,7 @@ def _never_called(*args):
     raise AssertionError("hostcallback's placeholder host callback was called")
 
 
-def call(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, token,
+def lower_call(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, token,
          op_sharding, result_avals, timeout_s: float):
     """The device sends ``args`` and waits for the host's results, which the handler copies into
     the outputs: (token, *results). With emit_device >= 0 the other devices get zeros at once.
@@ -82,7 +82,7 @@ def call(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, to
     return token_out, results
 
 
-def check(ctx, failed, values, *, consumer_id: int, op_sharding):
+def lower_check(ctx, failed, values, *, consumer_id: int, op_sharding):
     """After a shared call's results and failure flags were summed over the devices (see the
     handler): every device fails with the call's reason when any failed, else passes the flag and
     the values through."""

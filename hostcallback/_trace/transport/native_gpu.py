@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from hostcallback._trace.transport import callback, native
 
-tap = native.tap
+lower_tap = native.lower_tap
 shard_callback = native.shard_callback  # each device's shard lowers as any tap does
-call = callback.call
-check = callback.check
-tap_shard = callback.tap_shard
+lower_call = callback.lower_call
+lower_check = callback.lower_check
+lower_tap_shard = callback.lower_tap_shard

@@ -45,11 +45,12 @@ def _tapper(variant: str, sink):
     return None
 
 
-def _compiled(variant: str, fn, delivery: str = "async"):
-    """fn traced with the variant's transport (taps pick theirs when traced) and delivery."""
+def _compiled(variant: str, fn, args: tuple, delivery: str = "async"):
+    """fn compiled for args with the variant's transport and delivery, which a tap takes when it
+    is traced and lowered: here, inside the settings (a jax.jit traces at its first call)."""
     with hcb.config.override(transport="callback" if variant == "callback" else "native",
                              delivery=delivery):
-        return jax.jit(fn)
+        return jax.jit(fn).lower(*args).compile()
 
 
 def tap_scan(variant: str, steps: int, elements: int):
@@ -68,9 +69,9 @@ def tap_scan(variant: str, steps: int, elements: int):
             return c, None
         return jax.lax.scan(body, x, jnp.arange(steps))[0]
 
-    f = _compiled(variant, run)
     x = jax.device_put(jnp.zeros((elements,), jnp.float32) if elements > 1 else
                        jnp.float32(0))
+    f = _compiled(variant, run, (x,))
     f(x).block_until_ready()
     hcb.barrier_wait()
     jax.effects_barrier()
@@ -126,8 +127,7 @@ def tap_table(name: str, steps: int, elements: int, repeats: int) -> dict:
     return out
 
 
-def mlp_step(variant: str, grad_norms: bool, layers: int, width: int, batch: int,
-             delivery: str = "async"):
+def mlp_step(variant: str, grad_norms: bool, args: tuple, delivery: str = "async"):
     counter = [0]
 
     def sink(v):
@@ -150,7 +150,7 @@ def mlp_step(variant: str, grad_norms: bool, layers: int, width: int, batch: int
                     tap(jnp.sqrt(jnp.sum(g * g)))
         return [p - 1e-3 * g for p, g in zip(params, grads)]
 
-    return _compiled(variant, step, delivery), counter
+    return _compiled(variant, step, args, delivery), counter
 
 
 def step_table(layers: int, width: int, batch: int, steps: int, repeats: int) -> dict:
@@ -161,7 +161,7 @@ def step_table(layers: int, width: int, batch: int, steps: int, repeats: int) ->
     variants = [("none", False)] + [(v, g) for g in (False, True)
                                     for v in ("native", "callback", "debug")]
     variants.append(("native", "handled"))  # a loss tap, results ready once it was handled
-    steps_of = {key: mlp_step(key[0], bool(key[1]), layers, width, batch,
+    steps_of = {key: mlp_step(key[0], key[1] is True, (params0, x),
                               "handled" if key[1] == "handled" else "async")
                 for key in variants}
 
@@ -186,15 +186,15 @@ def step_table(layers: int, width: int, batch: int, steps: int, repeats: int) ->
             best[key] = min(best[key], once(key))
     base = best[("none", False)]
     print(f"\ntraining step: {layers} layers of {width}, batch {batch}, {steps} steps")
-    print(f"  {'variant':28s} {'ms/step':>9s} {'+%':>7s}")
-    print(f"  {'no taps':28s} {base * 1e3:9.3f}")
+    print(f"  {'variant':34s} {'ms/step':>9s} {'+%':>7s}")
+    print(f"  {'no taps':34s} {base * 1e3:9.3f}")
     out = {"none_ms": base * 1e3}
     for key in variants[1:]:
         name = f"{key[0]}, " + {True: "loss + grad norms", False: "loss",
                                  "handled": "loss, ready once handled"}[key[1]]
         extra = (best[key] / base - 1) * 100
         out[name] = {"ms": best[key] * 1e3, "extra_percent": extra}
-        print(f"  {name:28s} {best[key] * 1e3:9.3f} {extra:7.1f}")
+        print(f"  {name:34s} {best[key] * 1e3:9.3f} {extra:7.1f}")
     return out
 
 

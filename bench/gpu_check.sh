@@ -15,6 +15,17 @@ PY
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 \
   | tee -a "$logs/machine.log"
 
+missing=$(python3 - <<'PY'
+import importlib.util, shutil
+print(" ".join([m for m in ("scikit_build_core", "nanobind", "numpy", "jax")
+                if importlib.util.find_spec(m) is None]
+               + ([] if shutil.which("cmake") or importlib.util.find_spec("cmake") else ["cmake"])))
+PY
+)
+if [ -n "$missing" ]; then
+  echo "gpu_check: this machine lacks $missing, which the in-place build needs (no network here)"
+  exit 1
+fi
 if ! python3 -m pip install --no-build-isolation --no-deps . >"$logs/build.log" 2>&1; then
   tail -40 "$logs/build.log"
   echo "gpu_check: BUILD FAILED after $(($(date +%s) - began)) s (log: $logs/build.log)"
@@ -27,7 +38,7 @@ PYTHONUNBUFFERED=1 timeout 300 python3 -m pytest --confcutdir=tests/gpu tests/gp
 tests=${PIPESTATUS[0]}
 tested=$(grep -Eo '[0-9]+ (passed|failed|skipped|error)[a-z]*' "$logs/tests.log" | tr '\n' ' ')
 
-PYTHONUNBUFFERED=1 timeout 200 python3 bench/gpu_bench.py --json "$logs/bench.json" 2>&1 \
+HOSTCALLBACK_GPU_FENCE=1 PYTHONUNBUFFERED=1 timeout 200 python3 bench/gpu_bench.py --json "$logs/bench.json" 2>&1 \
   | tee "$logs/bench.log"
 bench=${PIPESTATUS[0]}
 summary=$(python3 - "$logs/bench.json" <<'PY' 2>/dev/null

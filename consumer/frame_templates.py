@@ -13,6 +13,7 @@ records are framed in Python, one by one. This module never decides what a recor
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Any
@@ -22,7 +23,7 @@ from jax import tree_util
 
 from hostcallback.addons import LEAVES, SEQUENCE, RecordBatch
 
-from .native_frames import frames as compiled_frames
+from . import native_frames
 from .stream import TapRecord, encode_value, frame_item, pack
 
 _STEP_KINDS = ("i", "u", "b")  # integer and bool steps; a float step is int()-ed in Python
@@ -54,7 +55,7 @@ class FrameTemplate:
         """The batch's frames, in order; ``now`` >= 0 sets every record's time (for checks).
         A ValueError for a record whose arrays have other dtypes or shapes than the template's
         (its bytes would not match the packed headers)."""
-        return compiled_frames.frame_records(
+        return native_frames.frames.frame_records(
             batch.records, batch.start, batch.stop, self.pieces, self.leaf_dtypes,
             self.leaf_shapes, self.step_leaf, self.step_kind, self.step_size, now)
 
@@ -63,10 +64,22 @@ def make_template(batch: RecordBatch, fields: dict[str, Any]) -> FrameTemplate |
     """The template for ``batch``'s tap site and device, checked against the general encoder
     on its first record; None when the records must be framed in Python. ``fields`` are the
     record fields that never change: name, metadata, process, host, device, device_id."""
+    if native_frames.frames is None:
+        _say_once(native_frames.missing)
+        return None
     try:
         return _checked_template(batch, fields)
     except Exception:  # noqa: BLE001 - e.g. a pytree node that cannot hold the hole markers:
         return None  # its records are framed in Python, by the general encoder
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        logging.getLogger("hostcallback").warning("%s", message)
 
 
 def _checked_template(batch: RecordBatch, fields: dict[str, Any]) -> FrameTemplate | None:

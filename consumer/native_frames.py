@@ -3,7 +3,8 @@ stream's frames put together in C++: consumer/_native/frames.cc), as ``frames``.
 
 A source checkout first on sys.path (``python -m pytest`` in the repository) finds this package
 in its ``consumer/`` folder, which holds no build: the installed package's copy of the folder,
-which does, is searched too.
+which does, is searched too. Where it cannot be loaded, ``frames`` is None and ``missing`` says
+why: the sinks then frame every record in Python (slower, the same bytes), and say so once.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 import sys
 
 _package = sys.modules[__name__.rpartition(".")[0]]  # hostcallback.consumer, being imported
+missing: str | None = None
 
 try:
     from hostcallback.consumer import _frames as frames
@@ -22,10 +24,10 @@ except ImportError:
         if os.path.isdir(folder) and folder not in _package.__path__)
     try:
         from hostcallback.consumer import _frames as frames
-    except ImportError as error:  # pragma: no cover - only on a broken install
-        raise ImportError(
-            "hostcallback's consumer extension (hostcallback.consumer._frames) is not built or "
-            "not importable: install the package with `pip install .` from its source tree"
-        ) from error
+    except ImportError as error:  # only on a broken install
+        frames = None
+        missing = (f"hostcallback's consumer extension (hostcallback.consumer._frames) cannot be "
+                   f"loaded ({error}): sinks frame every record in Python; reinstall with `pip "
+                   f"install .` from hostcallback's source tree")
 
-__all__ = ["frames"]
+__all__ = ["frames", "missing"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import os
 import queue
 import sys
 import threading
@@ -88,6 +89,10 @@ class _Dispatcher:
                                         name="hostcallback-barrier-dispatcher")
         self._thread.start()
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        return self._thread
+
     def submit(self, work) -> threading.Event:
         """Runs ``work()`` on the thread; the event is set once it has returned or raised."""
         done = threading.Event()
@@ -118,13 +123,28 @@ class Lifecycle:
         self._marker_computations: dict[str, tuple] = {}  # per transport, built on first use
         self._probes: list[tuple] = []  # (computation, its argument), built on first use
         self._stop_gave_up = False  # stop()'s barrier timed out
+        self._markers_compiled: threading.Event | None = None  # set once _compile_markers ended
 
     def ensure_started(self) -> None:
         """Starts one receiver per local device, once; refuses after stop_outfeed_receiver()."""
         if self._pool.start():
             atexit.register(self._at_exit)  # first: exit must deliver even if the next fails
             self._dispatcher.start()
-            self._dispatcher.submit(self._compile_markers)
+            self._markers_compiled = self._dispatcher.submit(self._compile_markers)
+
+    @property
+    def markers_compiled(self) -> bool:
+        """Whether the barrier's marker computations, compiled as the receivers start, are."""
+        return self._markers_compiled is not None and self._markers_compiled.is_set()
+
+    def wait_before_fork(self) -> None:
+        """os.register_at_fork's before handler: a fork() while the dispatcher compiles the
+        markers would give the child JAX's compilation locks held by a thread it does not have,
+        and its first jit would hang instead of refusing its taps; so fork waits for that compile
+        (at most _FORK_WAIT_SECONDS)."""
+        compiled = self._markers_compiled
+        if compiled is not None and threading.current_thread() is not self._dispatcher.thread:
+            compiled.wait(_FORK_WAIT_SECONDS)
 
     def _compile_markers(self) -> None:
         """On the dispatcher thread, right after the start: compiles the barrier's marker
@@ -359,6 +379,9 @@ class Lifecycle:
                          self._pool.failures.count)
 
 
+# How long a fork() waits for the barrier's markers to finish compiling (wait_before_fork).
+_FORK_WAIT_SECONDS = 30.0
+
 # A Ctrl-C this recent caused the exit, also where its KeyboardInterrupt became a computation's
 # error (raised in a JAX callback) rather than the program's.
 _RECENT_CTRL_C_SECONDS = 10.0
@@ -415,3 +438,4 @@ def _ready_or_gone(array) -> bool:
 
 
 lifecycle = Lifecycle(receivers)
+os.register_at_fork(before=lifecycle.wait_before_fork)

@@ -2,9 +2,10 @@
 // full queue makes the launch wait: nothing is dropped), writes the header into a page-locked
 // buffer and queues one asynchronous device-to-host copy per array on the stream; then a host
 // function on the same stream joins the record to the queue once the copies are done, in stream
-// order. The stream never waits: no synchronisation, no GIL, no Python. The host function never
-// blocks and never calls CUDA (the driver forbids it there). Where the pinned pool is spent, the
-// record takes pageable memory, whose copy returns only once the stream got there.
+// order. The stream never waits for a tap: no synchronisation, no GIL, no Python. Its host
+// function never blocks and never calls CUDA (the driver forbids it there). Where the pinned pool
+// is spent, the record takes pageable memory, whose copy returns only once the stream got there.
+// A computation's fence (HostcallbackFenceCuda) is the one host function that blocks.
 
 #include "cuda_tap.h"
 

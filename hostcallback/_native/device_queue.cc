@@ -66,7 +66,8 @@ int64_t DeviceQueue::Join(std::unique_lock<std::mutex>& lock, Record& record, bo
   (IsBarrierMarker(record) ? stats_.markers_enqueued : stats_.records_enqueued) += 1;
   stats_.bytes_enqueued += BudgetBytes(record);
   stats_.bytes_queued += BudgetBytes(record);
-  stats_.peak_bytes_queued = std::max(stats_.peak_bytes_queued, stats_.bytes_queued);
+  stats_.peak_bytes_queued =
+      std::max(stats_.peak_bytes_queued, stats_.bytes_queued + stats_.bytes_reserved);
   if (urgent) urgent_queued_ += 1;
   // Wake the receiver only when it sleeps and, while it gathers a batch, only when the batch
   // is ready: under load a receiver wakes once per batch, not once per record.
@@ -142,6 +143,8 @@ int64_t DeviceQueue::Reserve(uint64_t bytes, const std::function<bool()>& watch)
   if (int64_t waited = WaitForRoom(lock, ticket, bytes, 0, watch); waited < 0) return waited;
   if (closed_) return kClosed;
   stats_.bytes_reserved += bytes;
+  stats_.peak_bytes_queued =
+      std::max(stats_.peak_bytes_queued, stats_.bytes_queued + stats_.bytes_reserved);
   Admit(ticket);
   const bool others_wait = stats_.producers_waiting > 0;
   lock.unlock();
@@ -405,7 +408,7 @@ QueueStats DeviceQueue::Stats() {
 
 void DeviceQueue::ResetPeak() {
   std::lock_guard<std::mutex> lock(mu_);
-  stats_.peak_bytes_queued = stats_.bytes_queued;
+  stats_.peak_bytes_queued = stats_.bytes_queued + stats_.bytes_reserved;
 }
 
 bool DeviceQueue::BatchReady() const {

@@ -23,6 +23,7 @@ struct QueueStats {
   uint64_t records_enqueued = 0, bytes_enqueued = 0;  // taps and calls; barrier markers apart
   uint64_t records_delivered = 0, bytes_delivered = 0;
   uint64_t markers_enqueued = 0, markers_delivered = 0;
+  // peak_bytes_queued: the most bytes held against the budget at once, room reserved included.
   uint64_t bytes_queued = 0, peak_bytes_queued = 0;
   uint64_t bytes_reserved = 0;  // room held for GPU taps whose copies are under way
   uint64_t waits = 0, wait_ns = 0;

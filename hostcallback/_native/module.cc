@@ -402,7 +402,8 @@ void DefineModule(nb::module_& m) {
         return d;
       },
       "The GPU taps' page-locked buffers: bytes held and in use, reuse, and records that took "
-      "pageable memory because the pinned allowance (twice the queue budget) was spent.");
+      "pageable memory because the pinned allowance (twice the queue budget, at most a quarter "
+      "of the machine's memory) was spent.");
   m.def("drain", &Drain, nb::arg("device"), nb::arg("max_records"), nb::arg("max_bytes"),
         nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform, nb::arg("coalesce_s") = 0.0,
         nb::arg("linger_s") = 0.0,
@@ -467,7 +468,7 @@ void DefineModule(nb::module_& m) {
         "per result leaf, owning its bytes.");
   m.def("call_host_handed_over", &CallHandedOver, nb::arg("device"), nb::arg("consumer_id"),
         nb::arg("leaves"), nb::arg("timeout_s"), nb::arg("platform") = kNativePlatform,
-        "As call, for a call whose leaves are its ticket and whose answer the receiver hands "
+        "As call_host, for a call whose leaves are its ticket and whose answer the receiver hands "
         "over in Python, under that ticket (FLAG_HANDED_OVER_IN_PYTHON, "
         "hostcallback._records.handover); "
         "returns once it is there.");

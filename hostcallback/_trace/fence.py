@@ -17,10 +17,11 @@ computation: jaxlib then runs it while dispatching it on CPU, as it runs computa
 own callbacks, so the dispatching call returns only once its taps were handled.
 ``configure(delivery="async")`` (``HOSTCALLBACK_DELIVERY=async``) lowers both to nothing in the
 computations compiled after it: results are ready as soon as the device is done, and the taps
-are delivered behind them. So does a platform without our native handlers (TPU). On a CUDA GPU
-the begin writes a 0 id and the fence is a host function on the stream that waits for the taps
-(the stream waits there; XLA's launching thread goes on), and "dispatch" means "handled". This
-module only writes computations; it never waits itself.
+are delivered behind them. So does a platform without our native handlers (TPU), and for now a
+CUDA GPU unless HOSTCALLBACK_GPU_FENCE=1: there the begin writes a 0 id and the fence is a host
+function on the stream that waits for the taps (the stream waits there; XLA's launching thread
+goes on), and "dispatch" means "handled". This module only writes computations; it never waits
+itself.
 """
 
 from __future__ import annotations
@@ -63,9 +64,16 @@ fence_end_p.multiple_results = True
 _deliveries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-# Where the begin and the fence have handlers: the CPU's run on XLA's device thread; a CUDA GPU's
-# fence is a host function on the stream (_native/cuda_tap.cc), and "dispatch" is "handled" there.
-FENCED_PLATFORMS = (frozenset({outfeed.NATIVE_PLATFORM}) | transport.NATIVE_GPU_PLATFORMS
+# The GPU fence (a host function on the stream that blocks until the receiver has handled the
+# computation's taps, _native/cuda_tap.cc) has not yet run on a GPU, and a blocked host function
+# can hold up CUDA's other host functions: until it has been measured there it runs only where
+# HOSTCALLBACK_GPU_FENCE=1 asks for it (tests/gpu and bench/gpu_check.sh do). Without it a GPU's
+# results are ready before their taps were handled, as with delivery="async".
+GPU_FENCE = config.env_bool("HOSTCALLBACK_GPU_FENCE", False)
+# Where the begin and the fence have handlers: the CPU's run on XLA's device thread; on a CUDA GPU
+# "dispatch" is "handled".
+FENCED_PLATFORMS = ((frozenset({outfeed.NATIVE_PLATFORM})
+                     | (transport.NATIVE_GPU_PLATFORMS if GPU_FENCE else frozenset()))
                     if transport.NATIVE_PLATFORMS else frozenset())
 
 

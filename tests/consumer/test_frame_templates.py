@@ -295,3 +295,25 @@ def test_a_records_list_shortened_while_large_frames_are_filled_is_refused_not_r
     refusals = set(ast.literal_eval(result.stdout))  # framed whole, or refused before or while
     assert refusals <= {"records was shortened while it was being framed",
                         "start:stop is outside records"}
+
+
+def test_without_the_compiled_framer_sinks_frame_in_python_and_say_so_once(tmp_path):
+    """A broken install that lacks hostcallback.consumer._frames still writes every record."""
+    result = run_python(f"""
+        import sys
+        sys.modules["hostcallback.consumer._frames"] = None  # its import now fails
+        import jax, jax.numpy as jnp
+        import hostcallback as hcb
+        from hostcallback.consumer import FileSink, tap_to
+        from hostcallback.consumer.stream_files import read_stream
+        sink = FileSink({str(tmp_path / "s.hcbs")!r})
+        step = jax.jit(lambda i: tap_to([sink], {{"step": i, "loss": i * 1.0}}, name="t"))
+        for i in range(50):
+            step(i)
+        hcb.barrier_wait()
+        sink.close()
+        print([r.step for r in read_stream({str(tmp_path / "s.hcbs")!r})] == list(range(50)))
+        """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True"]
+    assert result.stderr.count("consumer extension (hostcallback.consumer._frames) cannot") == 1

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import hostcallback as hcb
+from helpers import run_python
 from hostcallback import config
 from hostcallback._records import handover
 from hostcallback._records.registry import BARRIER_MARKER_ID
@@ -38,18 +39,28 @@ def _lower_for_cuda(**settings) -> str:
 
 
 @pytest.mark.needs_internals("the GPU tap (its taps on a GPU take JAX's callbacks)")
-def test_a_native_tap_lowered_for_a_cuda_gpu_is_the_gpu_tap_between_a_begin_and_a_fence():
-    """On a CUDA device the same custom calls run the GPU handlers (registered for CUDA)."""
+def test_a_native_tap_lowered_for_a_cuda_gpu_is_the_gpu_tap_without_a_fence_by_default():
+    """On a CUDA device the same custom call runs the GPU tap (registered for CUDA); the GPU
+    fence waits for HOSTCALLBACK_GPU_FENCE=1 until it has run on a GPU."""
     text = _lower_for_cuda(transport="native")
-    assert text.count("@hostcallback_tap(") == 1
-    assert text.count("@hostcallback_begin(") == 1 and text.count("@hostcallback_fence(") == 1
+    assert text.count("@hostcallback_tap(") == 1 and "hostcallback_fence" not in text
     assert JAX_CALLBACK_TARGET not in text
 
 
 @pytest.mark.needs_internals("the GPU tap (its taps on a GPU take JAX's callbacks)")
-def test_async_delivery_leaves_a_gpu_computation_without_its_fence():
-    text = _lower_for_cuda(transport="native", delivery="async")
-    assert text.count("@hostcallback_tap(") == 1 and "hostcallback_fence" not in text
+@pytest.mark.parametrize("delivery", ["handled", "async"])
+def test_with_the_gpu_fence_asked_for_a_gpu_computation_has_its_begin_and_fence(delivery):
+    result = run_python(f"""
+        import jax, numpy as np
+        import hostcallback as hcb
+        hcb.configure(delivery={delivery!r})
+        tapped = jax.jit(lambda x: hcb.id_tap(lambda *a: None, x * 2))
+        text = tapped.trace(np.ones(3, np.float32)).lower(lowering_platforms=("cuda",)).as_text()
+        print(text.count("@hostcallback_tap("), text.count("@hostcallback_begin("),
+              text.count("@hostcallback_fence("))
+        """, env={"HOSTCALLBACK_GPU_FENCE": "1"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == (["1", "1", "1"] if delivery == "handled" else ["1", "0", "0"])
 
 
 def test_the_callback_transport_lowers_to_jax_host_callbacks():

@@ -3,7 +3,8 @@
 out). In the CPU suite every test here is skipped, saying why.
 
 ``HOSTCALLBACK_GPU_TESTS_ON=cpu`` runs them on the CPU instead, to try the tests themselves where
-no GPU is at hand; what only a GPU shows (the pinned pool at work) is skipped there."""
+no GPU is at hand: there they run the CPU's handlers, so they show nothing of the GPU's (the
+GPU tap, its pinned pool and its fence); what only a GPU shows is skipped."""
 
 import os
 import sys
@@ -16,6 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # helpers.py
 PLATFORM = os.environ.get("HOSTCALLBACK_GPU_TESTS_ON", "cuda")
 if PLATFORM == "cpu":
     os.environ["JAX_PLATFORMS"] = "cpu"
+# The GPU fence is off by default until it has run here (hostcallback/_trace/fence.py).
+os.environ.setdefault("HOSTCALLBACK_GPU_FENCE", "1")
 
 
 def _why_not_here() -> str | None:

@@ -4,6 +4,7 @@ commit order, and a queue closed in between refuses it and gives the room back. 
 handler takes these steps (cuda_tap.cc); tests/gpu runs it there."""
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -64,12 +65,16 @@ def test_records_join_in_commit_order_whatever_order_they_reserved_in():
 
 def test_a_reservation_holds_its_room_until_its_record_is_drained():
     device = fresh_queue()
-    with config.override(max_queue_bytes=BUDGET):
-        outfeed.reserve(device, BUDGET, platform=TEST_PLATFORM)
+    big = np.zeros((BUDGET - 4096) // 4, dtype=np.int32)
+    size = record_bytes(big)
+    with config.override(max_queue_bytes=size):
+        outfeed.reserve(device, size, platform=TEST_PLATFORM)
+        assert stats(device)["bytes_reserved"] == size
         later = waiting_producer(device)
-        big = np.zeros((BUDGET - 4096) // 4, dtype=np.int32)
-        outfeed.commit(device, 1, [leaf(big)], BUDGET, platform=TEST_PLATFORM)
-        assert later.is_alive()  # the committed record still holds the room
+        outfeed.commit(device, 1, [leaf(big)], size, platform=TEST_PLATFORM)
+        assert (stats(device)["bytes_reserved"], stats(device)["bytes_queued"]) == (0, size)
+        time.sleep(0.2)  # time enough for a producer let in by mistake to go in
+        assert stats(device)["producers_waiting"] == 1
         assert wire.decode_record(drain_one(device)).consumer_id == 1
         later.join(timeout=10)
         assert not later.is_alive()
@@ -109,6 +114,7 @@ def test_a_queue_closed_between_reserve_and_commit_refuses_the_record_and_frees_
     outfeed.fail(device, "stopped for the test", platform=TEST_PLATFORM)
     with pytest.raises(RuntimeError, match="stopped for the test"):
         outfeed.commit(device, 1, [leaf(np.int32(1))], size, platform=TEST_PLATFORM)
+    assert stats(device)["bytes_reserved"] == 0
     with pytest.raises(RuntimeError, match="stopped for the test"):
         outfeed.reserve(device, size, platform=TEST_PLATFORM)
     assert stats(device)["records_enqueued"] == 0

@@ -53,3 +53,25 @@ def test_a_fork_child_refuses_taps_and_barriers_naming_fork(child):
     lines, stderr = run_fork(child)
     assert lines == ["child: ReceiverStoppedError True", "child exit 0 True", "[1, 2]"]
     assert "hostcallback" not in stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_fork_waits_until_the_barriers_markers_are_compiled():
+    """A fork() right after the receivers start, while the dispatcher compiles the markers, would
+    give the child JAX's compilation locks held by a thread it lacks (its jit then hangs)."""
+    result = run_python("""
+        import os, sys, warnings
+        warnings.simplefilter("ignore")
+        os.register_at_fork(before=lambda: print("compiled at fork:",
+                                                 lifecycle.markers_compiled, flush=True))
+        import jax
+        import hostcallback as hcb
+        from hostcallback.lifecycle import lifecycle
+        jax.jit(lambda x: hcb.id_tap(lambda *a: None, x)).lower(1)  # starts the receivers
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        """, devices=1)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["compiled at fork: True"]

@@ -23,8 +23,17 @@ def test_the_compiled_core_lives_inside_the_package():
     assert pathlib.Path(outfeed.__file__).parent.parts[-2:] == ("hostcallback", "_native")
 
 
+def test_the_consumers_framer_is_compiled_inside_the_consumer_package():
+    from hostcallback.consumer.native_frames import frames, missing
+
+    assert missing is None and frames.__name__ == "hostcallback.consumer._frames"
+    assert pathlib.Path(frames.__file__).parent.parts[-2:] == ("hostcallback", "consumer")
+    assert not list(pathlib.Path(frames.__file__).parent.glob("_native"))  # no C++ installed
+
+
 def test_site_packages_holds_no_top_level_module_of_ours():
     assert importlib.util.find_spec("_hostcallback_outfeed") is None
+    assert importlib.util.find_spec("_frames") is None
 
 
 def test_the_package_is_marked_typed():

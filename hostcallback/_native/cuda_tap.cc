@@ -48,28 +48,26 @@ struct PendingRecord {
   bool failed;
 };
 
-// Said once on stderr: a GPU tap lost because its queue closed between its launch and its copy.
-void ReportLostAfterClose() noexcept {
-  static std::atomic<bool> said{false};
+// Says `message` on stderr the first time `said` is found unset.
+void SayOnce(std::atomic<bool>& said, const char* message) noexcept {
   if (said.exchange(true)) return;
-  std::fprintf(stderr,
-               "hostcallback: a GPU tap reached its device's queue after the receivers were "
-               "stopped, and was not delivered (stop_outfeed_receiver() waits for the taps "
-               "dispatched before it; this one was dispatched as it stopped)\n");
+  std::fprintf(stderr, "%s\n", message);
   std::fflush(stderr);
 }
 
-// Said once on stderr: the pinned pool is spent, so GPU taps make their launches wait.
-void ReportPageableFallback() noexcept {
-  static std::atomic<bool> said{false};
-  if (said.exchange(true)) return;
-  std::fprintf(stderr,
-               "hostcallback: GPU taps now copy into pageable memory, which makes each launch "
-               "wait for its stream: the page-locked buffers (at most twice the queue budget) "
-               "are all in use, held by queued records or by arrays a consumer kept "
-               "(hostcallback._native.outfeed.pinned_stats())\n");
-  std::fflush(stderr);
-}
+// A GPU tap lost because its queue closed between its launch and its copy.
+std::atomic<bool> g_said_lost_after_close{false};
+constexpr char kLostAfterClose[] =
+    "hostcallback: a GPU tap reached its device's queue after the receivers were stopped, and "
+    "was not delivered (stop_outfeed_receiver() waits for the taps dispatched before it; this "
+    "one was dispatched as it stopped)";
+
+// The pinned pool is spent, so GPU taps make their launches wait.
+std::atomic<bool> g_said_pageable{false};
+constexpr char kPageableFallback[] =
+    "hostcallback: GPU taps now copy into pageable memory, which makes each launch wait for its "
+    "stream: the page-locked buffers (at most twice the queue budget) are all in use, held by "
+    "queued records or by arrays a consumer kept (hostcallback._native.outfeed.pinned_stats())";
 
 // The host function: on CUDA's own thread, after the record's copies. Never blocks, never
 // calls CUDA.
@@ -91,7 +89,7 @@ void JoinQueue(void* user_data) noexcept {
     }
     if (joined < 0) {
       ReleaseRecord(pending->record);
-      if (!marker && !DropAtExit()) ReportLostAfterClose();
+      if (!marker && !DropAtExit()) SayOnce(g_said_lost_after_close, kLostAfterClose);
     }
   }
   delete pending;
@@ -176,7 +174,7 @@ ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_i
     record.data = g_pinned_pool.Get(*driver, size, &record.capacity);
     record.pinned = record.data != nullptr;
     if (!record.pinned) {
-      ReportPageableFallback();
+      SayOnce(g_said_pageable, kPageableFallback);
       record.data = g_pool.Get(size, &record.capacity, &record.outside_pool);
       if (record.data == nullptr) throw std::bad_alloc();
     }

@@ -177,8 +177,9 @@ class ReceiverPool:
             if self._threads:
                 return False
             outfeed.set_max_queue_bytes(config.settings.max_queue_bytes)
-            outfeed.set_cuda_device_ids(cuda_device_ids(_native_platform_devices()))
-            for device in devices_to_receive(jax.local_devices(), _native_platform_devices()):
+            native_devices = _native_platform_devices()
+            outfeed.set_cuda_device_ids(cuda_device_ids(native_devices))
+            for device in devices_to_receive(jax.local_devices(), native_devices):
                 key = queue_key(device)  # device.id is what XLA hands the FFI handler
                 self._devices[key] = device
                 self._markers[key] = set()

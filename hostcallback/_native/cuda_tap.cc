@@ -119,6 +119,13 @@ std::string StreamFailure(const cuda::Driver& driver, cuda::Stream stream) {
                         state);
 }
 
+// The driver, or an FFI error saying why there is none.
+ffi::Error WithDriver(const cuda::Driver** driver) {
+  std::string why;
+  *driver = cuda::GetDriver(&why);
+  return *driver != nullptr ? ffi::Error::Success() : ffi::Error::Internal(why);
+}
+
 ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_id,
                        int64_t emit_device, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   (void)rets;  // only the ordering token
@@ -130,9 +137,8 @@ ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_i
     const int device = GlobalIdOf(ordinal);
     if (emit_device != kAllDevices && emit_device != device) return ffi::Error::Success();
     if (InForkedChild()) return ffi::Error::Internal(kForkedMessage);
-    std::string why;
-    const cuda::Driver* driver = cuda::GetDriver(&why);
-    if (driver == nullptr) return ffi::Error::Internal(why);
+    const cuda::Driver* driver = nullptr;
+    if (ffi::Error error = WithDriver(&driver); error.failure()) return error;
     StreamContext context(*driver, stream);
     // A host function captured into a CUDA graph would run its one record at every replay: XLA
     // keeps this handler out of command buffers (it declares no trait that allows them), and a
@@ -220,13 +226,6 @@ ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_i
 // consumer may be waiting for this very stream. A failed queue ends the wait; the barrier says why.
 void AwaitHandled(void* queue) noexcept {
   static_cast<DeviceQueue*>(queue)->AwaitTaps(kTapPatienceSeconds);
-}
-
-// The driver, or an FFI error saying why there is none.
-ffi::Error WithDriver(const cuda::Driver** driver) {
-  std::string why;
-  *driver = cuda::GetDriver(&why);
-  return *driver != nullptr ? ffi::Error::Success() : ffi::Error::Internal(why);
 }
 
 ffi::Error BeginCudaImpl(cuda::Stream stream, ffi::RemainingArgs args, ffi::RemainingRets rets) {

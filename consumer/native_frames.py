@@ -9,8 +9,9 @@ why: the sinks then frame every record in Python (slower, the same bytes), and s
 
 from __future__ import annotations
 
-import os
 import sys
+
+from hostcallback.addons import add_installed_copies
 
 _package = sys.modules[__name__.rpartition(".")[0]]  # hostcallback.consumer, being imported
 missing: str | None = None
@@ -18,10 +19,7 @@ missing: str | None = None
 try:
     from hostcallback.consumer import _frames as frames
 except ImportError:
-    _package.__path__.extend(
-        folder for folder in (os.path.join(entry or os.getcwd(), "hostcallback", "consumer")
-                              for entry in sys.path)
-        if os.path.isdir(folder) and folder not in _package.__path__)
+    add_installed_copies(_package.__path__, "hostcallback", "consumer")
     try:
         from hostcallback.consumer import _frames as frames
     except ImportError as error:  # only on a broken install

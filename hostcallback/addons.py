@@ -14,6 +14,8 @@ can write a sink the way ours are written:
 - ``format_value``, ``format_metadata`` and ``array_summary``: how ``id_print`` shows values.
 - ``EqualByKey``: a base for tap functions that are objects; equal ones (by ``_key()``) make
   one consumer, so retracing a step reuses its tap site.
+- ``add_installed_copies``: how an add-on with a compiled extension of its own finds it from a
+  source checkout (its installed copy beside the sources on ``__path__``).
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from typing import Any
 from hostcallback._host.batches import RecordBatch
 from hostcallback._host.printing import array_summary, format_metadata, format_value
 from hostcallback._host.record_context import RecordContext, current_record
+from hostcallback._native import add_installed_copies
 from hostcallback._records.record_layout import CONSUMER_ID, DEVICE_ID, FLAGS, LEAVES, SEQUENCE
 from hostcallback._records.registry import EqualByKey
 from hostcallback.lifecycle import lifecycle
 
 __all__ = ["CONSUMER_ID", "DEVICE_ID", "FLAGS", "LEAVES", "SEQUENCE", "EqualByKey", "RecordBatch",
-           "RecordContext", "add_flush_hook", "array_summary", "current_record",
-           "format_metadata", "format_value"]
+           "RecordContext", "add_flush_hook", "add_installed_copies", "array_summary",
+           "current_record", "format_metadata", "format_value"]
 
 
 def add_flush_hook(owner: Any) -> None:

@@ -12,19 +12,21 @@ import os
 import sys
 
 
-def _add_installed_copies_to_path() -> None:
-    """A source checkout first on sys.path (``python -m pytest`` in the repository) shadows the
-    installed package, whose copy of this directory holds the built core: search those too."""
+def add_installed_copies(package_path: list[str], *folder: str) -> None:
+    """Adds to ``package_path`` (a package's ``__path__``) each copy of ``folder`` (its parts,
+    e.g. "hostcallback", "_native") found under an entry of sys.path: a source checkout first on
+    sys.path (``python -m pytest`` in the repository) shadows the installed package, whose copy
+    of the folder holds what was built there."""
     for entry in sys.path:
-        candidate = os.path.join(entry or os.getcwd(), "hostcallback", "_native")
-        if os.path.isdir(candidate) and candidate not in __path__:
-            __path__.append(candidate)
+        candidate = os.path.join(entry or os.getcwd(), *folder)
+        if os.path.isdir(candidate) and candidate not in package_path:
+            package_path.append(candidate)
 
 
 try:
     from hostcallback._native import _hostcallback_outfeed as outfeed
 except ImportError:
-    _add_installed_copies_to_path()
+    add_installed_copies(__path__, "hostcallback", "_native")
     try:
         from hostcallback._native import _hostcallback_outfeed as outfeed
     except ImportError as error:  # pragma: no cover - only on a broken install
@@ -34,4 +36,4 @@ except ImportError:
             "install -e .`) from its source tree; it needs a C++17 compiler and CMake"
         ) from error
 
-__all__ = ["outfeed"]
+__all__ = ["add_installed_copies", "outfeed"]

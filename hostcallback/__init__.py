@@ -29,12 +29,11 @@ if TYPE_CHECKING:
         call,
         id_print,
         id_tap,
-        io_callback,
-        pure_callback,
         queue_stats,
         stop_outfeed_receiver,
         taps_delivered,
     )
+    from hostcallback.jax_callbacks import io_callback, pure_callback
 
 __version__ = "0.1.0"
 
@@ -73,9 +72,9 @@ __all__ = [
 
 # The public names that need jax or the compiled core, by the module that defines them.
 _IMPORTED_ON_FIRST_USE = {
-    **dict.fromkeys(("barrier_wait", "call", "id_print", "id_tap", "io_callback", "pure_callback",
-                     "queue_stats", "stop_outfeed_receiver", "taps_delivered"),
-                    "hostcallback.api"),
+    **dict.fromkeys(("barrier_wait", "call", "id_print", "id_tap", "queue_stats",
+                     "stop_outfeed_receiver", "taps_delivered"), "hostcallback.api"),
+    **dict.fromkeys(("io_callback", "pure_callback"), "hostcallback.jax_callbacks"),
     **dict.fromkeys(("RecordContext", "current_record"), "hostcallback._host.record_context"),
     "reset_peak_bytes_queued": "hostcallback._host.receiver",
 }

@@ -1,6 +1,8 @@
-"""Building a tap or call from what a user passed, for api.py and debug.py alike: flattening the
-value (arrays and numbers; PRNG keys travel as their key data), checking the options and the
-function's arity at trace time, and binding it, once the receivers run.
+"""Building a tap or call from what a user passed, for the legacy API (api.py) and the functions
+with JAX's signatures (jax_callbacks.py) alike: flattening the value (arrays and numbers; PRNG
+keys travel as their key data), checking the options, the function's arity and a format string's
+fields at trace time, adapting ``callback(*args, **kwargs)`` to a consumer, and binding it, once
+the receivers run.
 
 Every mistake answered here is answered at trace time with an error that names the argument and
 says what to do instead.
@@ -9,6 +11,7 @@ says what to do instead.
 from __future__ import annotations
 
 import inspect
+import string
 from collections.abc import Callable
 from itertools import repeat
 from typing import Any
@@ -17,14 +20,15 @@ import jax
 import numpy as np
 from jax import tree_util
 
+from hostcallback import _jax as jx
 from hostcallback import config
 from hostcallback._host import reentry
 from hostcallback._native import outfeed
 from hostcallback._records import wire
-from hostcallback._records.registry import Consumer, registry
+from hostcallback._records.registry import Consumer, EqualByKey, registry
 from hostcallback._trace import binding, transport
-from hostcallback.errors import UnsupportedDtypeError
-from hostcallback.flavors import REPLAYS, CallbackFlavor
+from hostcallback.errors import UnsupportedDtypeError, name_of
+from hostcallback.flavors import REPLAYS, CallbackFlavor, check_vmap_method, flavor_of
 from hostcallback.lifecycle import lifecycle
 
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, bool, int, float, complex)
@@ -60,7 +64,7 @@ def refuse_pure_when_unused(flavor: CallbackFlavor, api: str, why: str) -> None:
 
 
 def bind_tap(consumer: Consumer, leaves, device_index: int, ordered: bool | None,
-         flavor: CallbackFlavor, **call_params):
+             flavor: CallbackFlavor, **call_params):
     if not isinstance(device_index, int) or device_index < 0:
         raise ValueError(f"device_index must be a non-negative int, got {device_index!r}")
     ordered = config.settings.ordered if ordered is None else bool(ordered)
@@ -128,3 +132,167 @@ def tap_only_params(partitioned: bool, replays: str) -> dict:
     return {"partitioned": bool(partitioned), "replays": replays}
 
 
+
+
+def result_spec(result_shape) -> tuple[tree_util.PyTreeDef, tuple]:
+    """The structure and (shape, dtype) of each leaf of ``result_shape``, checked at trace time."""
+    if result_shape is None:
+        result_shape = ()
+    paths_and_leaves, treedef = tree_util.tree_flatten_with_path(result_shape)
+    avals = []
+    for path, leaf in paths_and_leaves:
+        where = f"result_shape{tree_util.keystr(path)}"
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            shape, dtype = leaf.shape, leaf.dtype
+        elif isinstance(leaf, (bool, int, float, complex, np.generic)):
+            shape, dtype = (), np.asarray(leaf).dtype
+        else:
+            raise ValueError(
+                f"{where} is a {type(leaf).__name__} ({leaf!r:.60}). result_shape should be a "
+                "pytree of values with structure matching the expected result of the callback "
+                "function. The values must be either numeric scalars, or must have 'shape' and "
+                "'dtype' attributes (e.g. jax.ShapeDtypeStruct)")
+        try:
+            shape = tuple(int(d) for d in shape)
+            dtype = jax.dtypes.canonicalize_dtype(dtype)
+            wire.dtype_code(dtype)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{where}: {error}") from None
+        if any(d < 0 for d in shape):
+            raise ValueError(f"{where} has a negative dimension in {shape}")
+        avals.append((shape, np.dtype(dtype)))
+    return treedef, tuple(avals)
+
+
+def bind_call(callback_func: Callable[..., Any], arg: Any, *, result_shape: Any,
+              call_with_device: bool = False, device_index: int = 0,
+              timeout: float | None = None, ordered: bool | None = None,
+              callback_flavor: CallbackFlavor | str | None = None,
+              vmap_method: str | None = None, jax_api: str = "") -> Any:
+    """A call of ``callback_func(arg)`` on the host whose result comes back into the computation,
+    for ``call`` and for the functions with JAX's signatures (``jax_api`` names the one)."""
+    if not callable(callback_func):
+        raise TypeError(
+            f"call() needs a callable callback_func, got {type(callback_func).__name__}")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if not isinstance(callback_func, CallWithArgs):
+        check_arity(callback_func, "call", 1, call_with_device,
+                    "callback_func(arg" + (", device=d)" if call_with_device else ")"),
+                    "def callback_func(arg" + (", device):" if call_with_device else "):")
+                    + " ...  (pack several arguments into one pytree: call(f, (x, y)) calls "
+                    "f((x, y)))")
+    flavor = flavor_of(callback_flavor)
+    check_vmap_method(vmap_method)
+    leaves, treedef, key_impls = flatten(arg)
+    result_treedef, result_avals = result_spec(result_shape)
+    if flavor is CallbackFlavor.DEBUG and result_avals:
+        raise ValueError(
+            "a call with callback_flavor=CallbackFlavor.DEBUG cannot return a result (like "
+            "jax.debug.callback); drop result_shape, or use IO_CALLBACK or PURE")
+    consumer = Consumer(func=callback_func, treedef=treedef, with_device=call_with_device,
+                        name=name_of(callback_func),
+                        result_treedef=result_treedef, result_avals=result_avals,
+                        key_impls=key_impls, x64=bool(jax.config.jax_enable_x64),
+                        jax_api=jax_api)
+    if flavor is CallbackFlavor.DEBUG:
+        # Nothing comes back, so the device does not wait: the record travels as a tap does.
+        bind_tap(consumer, leaves, device_index, ordered, flavor)
+        return None
+    outs = bind_tap(consumer, leaves, device_index, ordered, flavor,
+                    result_avals=tuple(jx.ShapedArray(shape, dtype)
+                                       for shape, dtype in result_avals),
+                    timeout_s=float(timeout or 0.0), vmap_method=vmap_method)
+    return None if result_shape is None else tree_util.tree_unflatten(result_treedef, outs)
+
+
+class CallWithArgs(EqualByKey):
+    """``callback(*args, **kwargs)`` as a consumer: called with ``(args, kwargs)`` as one argument
+    (a call's) or through ``apply(args, kwargs)`` (a debug callback's, per batch element). Equal
+    for equal callbacks, so that retracing reuses the consumer id. With ``as_jax_arrays`` (a call
+    made outside any transformation) the arrays are handed over as jax.Arrays on a CPU device,
+    and the callback runs with that device as the default, as JAX's callbacks do."""
+
+    __slots__ = ("__name__", "as_jax_arrays", "callback")
+
+    def __init__(self, callback: Callable[..., Any], as_jax_arrays: bool = False) -> None:
+        self.callback, self.as_jax_arrays = callback, as_jax_arrays
+        self.__name__ = name_of(callback)
+
+    def _key(self):
+        return (self.callback, self.as_jax_arrays)
+
+    def __call__(self, packed):
+        return self.apply(*packed)
+
+    def apply(self, args: tuple, kwargs: dict) -> Any:
+        if not self.as_jax_arrays:
+            return self.callback(*args, **kwargs)
+        cpu = jax.local_devices(backend="cpu")[0]
+        args, kwargs = tree_util.tree_map(
+            lambda leaf: jax.device_put(leaf, cpu) if isinstance(leaf, np.ndarray) else leaf,
+            (args, kwargs))
+        with jax.default_device(cpu):
+            return self.callback(*args, **kwargs)
+
+
+class FormatCheck(string.Formatter):
+    """A format string's fields against the values given, at trace time (nothing is formatted).
+
+    With ``jax_rules`` (``jax.debug.print``'s check, JAX's errors): a field without a value raises
+    what ``str.format`` raises, a value without a field JAX's ValueError, and fields' attributes
+    and indexes are looked up as JAX looks them up. Without (id_print's): a field without a value
+    is a ValueError that names it and says what to pass; values without a field are fine, and
+    only a field's leading name is checked (its attributes are the host array's, not a tracer's).
+    """
+
+    def __init__(self, api: str, jax_rules: bool) -> None:
+        self.api, self.jax_rules, self.fmt = api, jax_rules, ""
+
+    def check(self, fmt: str, args: tuple, kwargs: dict) -> None:
+        self.fmt = fmt
+        if self.jax_rules:
+            self.format(fmt, *args, **kwargs)
+            return
+        try:
+            self.vformat(fmt, args, kwargs)
+        except ValueError as error:
+            if str(error).startswith(f"{self.api}("):
+                raise
+            raise ValueError(f"{self.api}({fmt!r}, ...): not a valid format string: "
+                             f"{error}") from None
+
+    def get_field(self, field_name: str, args, kwargs):
+        if self.jax_rules:
+            return super().get_field(field_name, args, kwargs)
+        first = field_name.split(".", 1)[0].split("[", 1)[0]
+        key = int(first) if first.isdigit() else first
+        return self.get_value(key, args, kwargs), key
+
+    def get_value(self, key, args, kwargs):
+        try:
+            return super().get_value(key, args, kwargs)
+        except (IndexError, KeyError):
+            if self.jax_rules:
+                raise
+        if isinstance(key, int):
+            raise ValueError(f"{self.api}({self.fmt!r}, ...) has a field {{{key}}} but only "
+                             f"{len(args)} positional value(s) after the format string") from None
+        raise ValueError(f"{self.api}({self.fmt!r}, ...) has a field {{{key}}} but no keyword "
+                         f"argument {key}=...; pass {self.api}(fmt, {key}=value)") from None
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        return ""
+
+    def check_unused_args(self, used_args, args, kwargs) -> None:
+        if not self.jax_rules:
+            return
+        unused_args = [arg for i, arg in enumerate(args) if i not in used_args]
+        unused_kwargs = [k for k in kwargs if k not in used_args]
+        if unused_args:
+            raise ValueError(f"Unused positional arguments to `jax.debug.print`: {unused_args}")
+        if unused_kwargs:
+            raise ValueError(
+                f"Unused keyword arguments to `jax.debug.print`: {unused_kwargs}. You may be "
+                "passing an f-string (i.e, `f\"{x}\"`) into `jax.debug.print` and instead "
+                "should pass in a regular string.")

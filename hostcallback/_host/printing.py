@@ -1,18 +1,22 @@
-"""How id_print shows a tapped value: a line of sorted ``key: value`` metadata, then the value.
+"""The printer behind id_print and debug.print, and how it shows what was tapped.
 
-Tuples print as ``( a b )``, lists as ``[ a b ]``, dicts as ``{ k=v }`` and arrays through
-``np.array2string`` with the given threshold, like the legacy host_callback.id_print. Transforms
-print as legacy did: a bare name when it has no parameters (``'transpose'``), else the pair
-(``('batch', {'batch_dims': (0,)})``). A format string (``jax.debug.print``'s habit) prints one
-formatted line instead.
+id_print shows a value as a line of sorted ``key: value`` metadata, then the value. Tuples print as
+``( a b )``, lists as ``[ a b ]``, dicts as ``{ k=v }`` and arrays through ``np.array2string``
+with the given threshold, like the legacy host_callback.id_print. Transforms print as legacy did:
+a bare name when it has no parameters (``'transpose'``), else the pair (``('batch', {'batch_dims':
+(0,)})``). A format string (``jax.debug.print``'s habit) prints one formatted line instead.
+debug.print writes what ``jax.debug.print`` writes.
 """
 
 from __future__ import annotations
 
+import string
 import sys
 from typing import Any, TextIO
 
 import numpy as np
+
+from hostcallback._records.registry import EqualByKey
 
 DEFAULT_THRESHOLD = 1024
 
@@ -89,3 +93,46 @@ def print_formatted(fmt: str, args: tuple, kwargs: dict, transforms: tuple, *, d
     stream.write((header + "\n" if header else "") + line + "\n")
     if hasattr(stream, "flush"):
         stream.flush()
+
+
+def jax_print_line(fmt: str, args: tuple, kwargs: dict, print_options: tuple) -> str:
+    """What ``jax.debug.print(fmt, *args, **kwargs)`` prints: ``fmt.format`` under the numpy print
+    options in force where it was traced, or, for a string without fields, the string and the
+    values separated by spaces."""
+    fields = [field for _, field, _, _ in string.Formatter().parse(fmt)] if fmt else []
+    if fields and fields[0] is not None:
+        with np.printoptions(**dict(print_options)):
+            return fmt.format(*args, **kwargs)
+    return " ".join((fmt, *(str(a) for a in args)))
+
+
+class Printer(EqualByKey):
+    """Every printing consumer. As id_print's (called ``(arg, transforms, device)``): the value
+    with its metadata, or with ``fmt`` one formatted line of the tapped ``(args, kwargs)``. As
+    debug.print's (``apply(args, kwargs)``, once per batch element): ``jax_print_line`` under
+    ``print_options``. Equal for equal settings, so that a retrace reuses the consumer id."""
+
+    __slots__ = ("fmt", "metadata", "output_stream", "print_options", "threshold")
+
+    def __init__(self, fmt: str | None = None, *, output_stream: TextIO | None = None,
+                 threshold: int | None = None, metadata: dict[str, Any] | None = None,
+                 print_options: tuple = ()) -> None:
+        self.fmt, self.output_stream, self.threshold = fmt, output_stream, threshold
+        self.metadata, self.print_options = dict(metadata or {}), print_options
+
+    def _key(self):
+        return (self.fmt, id(self.output_stream), self.threshold,
+                repr(sorted(self.metadata.items())), repr(self.print_options))
+
+    def __call__(self, arg: Any, transforms: tuple, device: Any = None) -> None:
+        if self.fmt is None:
+            print_tap(arg, transforms, device=device, output_stream=self.output_stream,
+                      threshold=self.threshold, **self.metadata)
+        else:
+            args, kwargs = arg
+            print_formatted(self.fmt, args, kwargs, transforms, device=device,
+                            output_stream=self.output_stream)
+
+    def apply(self, args: tuple, kwargs: dict) -> None:
+        stream = self.output_stream if self.output_stream is not None else sys.stdout
+        stream.write(jax_print_line(self.fmt or "", args, kwargs, self.print_options) + "\n")

@@ -23,7 +23,7 @@ LAYERS = [
     ("start, barrier and stop", ["hostcallback.lifecycle"]),
     ("building a tap", ["hostcallback.tapping"]),
     ("the public API", ["hostcallback.api", "hostcallback.addons", "hostcallback.testing",
-                        "hostcallback.debug", "hostcallback"]),
+                        "hostcallback.jax_callbacks", "hostcallback.debug", "hostcallback"]),
     ("add-ons", ["hostcallback.consumer"]),
     ("the command line", ["hostcallback.__main__"]),
 ]
@@ -104,8 +104,8 @@ def test_the_package_shows_its_sides_as_folders():
     assert {"_trace", "_host", "_records"} <= top
     loose = sorted(name for name in top if name.endswith(".py"))
     assert loose == ["__init__.py", "__main__.py", "addons.py", "api.py", "config.py",
-                     "debug.py", "errors.py", "flavors.py", "lifecycle.py", "tapping.py",
-                     "testing.py", "versions.py"]
+                     "debug.py", "errors.py", "flavors.py", "jax_callbacks.py", "lifecycle.py",
+                     "tapping.py", "testing.py", "versions.py"]
 
 
 def test_there_is_no_import_cycle():

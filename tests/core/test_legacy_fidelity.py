@@ -173,6 +173,27 @@ def test_a_format_field_without_a_value_is_refused_at_trace_time():
         hcb.id_print("{} {}", 1)
 
 
+def test_a_field_inside_a_format_spec_without_a_value_is_refused_at_trace_time():
+    with pytest.raises(ValueError, match=r"field \{width\} but no keyword argument width="):
+        hcb.id_print("loss {loss:{width}}", loss=1.0)
+
+
+def test_a_format_string_mixing_numbered_and_automatic_fields_is_refused_at_trace_time():
+    with pytest.raises(ValueError, match=r"not a valid format string: cannot switch"):
+        hcb.id_print("{0} {}", 1, 2)
+    with pytest.raises(ValueError, match=r"not a valid format string: Single '\}'"):
+        hcb.id_print("x}", 1)
+
+
+def test_a_format_field_may_name_an_attribute_of_the_host_array(transport):
+    """id_print checks only a field's leading name at trace time: the attribute is the host
+    array's, which a tracer need not have."""
+    out = io.StringIO()
+    jax.jit(lambda x: hcb.id_print("{x.flags.writeable}", x=x, output_stream=out))(1.0)
+    hcb.barrier_wait()
+    assert out.getvalue() == "False\n"
+
+
 # ---- tap and call functions of the wrong arity --------------------------------------------
 
 

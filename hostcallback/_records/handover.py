@@ -11,7 +11,7 @@ arrays wait here under it:
   out, stopped) is removed by the receiver at once: nothing is left behind.
 - A tap returns at once, so only arrays that nothing else can change or free are handed over:
   each must own its memory whole, as the arrays JAX's CPU client hands a host callback do
-  (tests/core/test_call_handover.py checks it). Its record weighs the arrays' bytes against the
+  (tests/records/test_call_handover.py checks it). Its record weighs the arrays' bytes against the
   queue's budget as if it held them (a full queue makes the device wait, as for any tap), and
   the receiver takes them from here as it drains the record (with_tap_arrays); where the record
   will never be drained (its batch was lost, its receiver died or ended), the receiver lets go of

@@ -191,3 +191,13 @@ def test_no_module_uses_another_modules_private_names():
                  if not name.startswith("hostcallback._jax")
                  for use in private_names_used_across_modules(name, path, known)]
     assert not offenders, "\n".join(offenders)
+
+
+def test_the_tests_are_laid_out_as_their_readme_says():
+    """tests/README.md's table lists exactly the folders of tests/, each once."""
+    listed = [line.split("`")[1].rstrip("/") for line in
+              (ROOT / "tests" / "README.md").read_text().splitlines()
+              if line.startswith("| `")]
+    folders = sorted(path.name for path in (ROOT / "tests").iterdir()
+                     if path.is_dir() and not path.name.startswith((".", "__")))
+    assert sorted(listed) == folders and len(listed) == len(set(listed))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from hostcallback.addons import add_installed_copies
+from hostcallback.addons import add_installed_copies, exit_gate
 
 _package = sys.modules[__name__.rpartition(".")[0]]  # hostcallback.consumer, being imported
 missing: str | None = None
@@ -27,5 +27,8 @@ except ImportError:
         missing = (f"hostcallback's consumer extension (hostcallback.consumer._frames) cannot be "
                    f"loaded ({error}): sinks frame every record in Python; reinstall with `pip "
                    f"install .` from hostcallback's source tree")
+
+if frames is not None:  # a receiver framing records at exit parks as it does in the core
+    frames.share_exit_gate(exit_gate())
 
 __all__ = ["frames", "missing"]

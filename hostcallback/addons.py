@@ -16,6 +16,8 @@ can write a sink the way ours are written:
   one consumer, so retracing a step reuses its tap site.
 - ``add_installed_copies``: how an add-on with a compiled extension of its own finds it from a
   source checkout (its installed copy beside the sources on ``__path__``).
+- ``exit_gate()``: the core's exit gate, for such an extension that releases the GIL: a receiver
+  thread that comes back to it after exit's handler parks, as it does in the core (gil.h says why).
 """
 
 from __future__ import annotations
@@ -25,17 +27,22 @@ from typing import Any
 from hostcallback._host.batches import RecordBatch
 from hostcallback._host.printing import array_summary, format_metadata, format_value
 from hostcallback._host.record_context import RecordContext, current_record
-from hostcallback._native import add_installed_copies
+from hostcallback._native import add_installed_copies, outfeed
 from hostcallback._records.record_layout import CONSUMER_ID, DEVICE_ID, FLAGS, LEAVES, SEQUENCE
 from hostcallback._records.registry import EqualByKey
 from hostcallback.lifecycle import lifecycle
 
 __all__ = ["CONSUMER_ID", "DEVICE_ID", "FLAGS", "LEAVES", "SEQUENCE", "EqualByKey", "RecordBatch",
            "RecordContext", "add_flush_hook", "add_installed_copies", "array_summary",
-           "current_record", "format_metadata", "format_value"]
+           "current_record", "exit_gate", "format_metadata", "format_value"]
 
 
 def add_flush_hook(owner: Any) -> None:
     """Flushes ``owner`` after every barrier and at exit, for as long as it lives (held weakly:
     a sink that is dropped is no longer flushed)."""
     lifecycle.add_flush_hook(owner)
+
+
+def exit_gate() -> Any:
+    """The core's exit gate (a capsule), for an extension's GilReleased (gil.h: ShareExitGate)."""
+    return outfeed.exit_gate()

@@ -341,9 +341,19 @@ class Lifecycle:
     def _at_exit(self) -> None:
         """Delivers what is queued, within HOSTCALLBACK_EXIT_TIMEOUT; a Ctrl-C meanwhile leaves
         the rest (one line says how many), and a receiver finishes at most its batch. A consumer
-        that outlasts the deadline may still be running when the interpreter finalizes."""
+        that outlasts the deadline runs on until its receiver next comes back from C++ for the
+        GIL, where it parks (the exit gate, closed last)."""
         if self._pool.forked:  # the parent delivers its taps and flushes its sinks
             return
+        try:
+            self._deliver_at_exit()
+        finally:
+            # A receiver still in a consumer now parks when it next comes back for the GIL,
+            # rather than wait for it while the interpreter finalizes (gil.h says why).
+            if not outfeed.close_exit_gate(_EXIT_GATE_SECONDS):
+                logger.debug("hostcallback: a receiver thread still waits for the GIL at exit")
+
+    def _deliver_at_exit(self) -> None:
         self._pool.exiting = True
         # Taps that find the queues closed from now on are dropped (outfeed.dropped_at_exit()
         # counts them), not errors that JAX's own exit handlers would print; the warning below
@@ -378,6 +388,9 @@ class Lifecycle:
             logger.error("hostcallback: %d tap consumer(s) raised and no barrier_wait reported it",
                          self._pool.failures.count)
 
+
+# How long exit waits for the receiver threads already past the exit gate to have the GIL.
+_EXIT_GATE_SECONDS = 1.0
 
 # How long a fork() waits for the barrier's markers to finish compiling (wait_before_fork).
 _FORK_WAIT_SECONDS = 30.0

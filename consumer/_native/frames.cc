@@ -308,6 +308,17 @@ NB_MODULE(_frames, m) {
   if (!ImportNumpyApi()) throw nb::python_error();
   RememberMainThread(nb::cast<unsigned long>(
       nb::module_::import_("threading").attr("main_thread")().attr("ident")));
+  m.def(
+      "share_exit_gate",
+      [](nb::capsule gate) {
+        if (gate.name() == nullptr || std::strcmp(gate.name(), kExitGateCapsule) != 0) {
+          throw nb::type_error("share_exit_gate() takes hostcallback's exit_gate() capsule");
+        }
+        ShareExitGate(static_cast<const ExitGate*>(gate.data()));
+      },
+      nb::arg("gate"),
+      "Makes a receiver thread that frames records park at hostcallback's exit gate, as it "
+      "parks in the core (hostcallback.addons.exit_gate()).");
   m.def("frame_records", &FrameRecords, nb::arg("records"), nb::arg("start"), nb::arg("stop"),
         nb::arg("pieces"), nb::arg("leaf_dtypes"), nb::arg("leaf_shapes"), nb::arg("step_leaf"),
         nb::arg("step_kind"), nb::arg("step_size"), nb::arg("now") = -1.0,

@@ -298,6 +298,7 @@ class ReceiverPool:
         anyway, its queue is failed with the reason, so nothing waits for it forever."""
         try:
             self._local.is_receiver = True
+            outfeed.mark_receiver_thread()  # it parks at the exit gate (lifecycle's exit)
             platform, ordinal = key
             device = self._devices[key]
             context = for_this_thread()

@@ -33,12 +33,34 @@ inline bool WouldBeEndedByFinalization() {
   return IsFinalizing() && PyThread_get_thread_ident() != g_main_thread_ident;
 }
 
+// The exit gate as every extension of ours sees it: the core's (exit_gate.cc), shared with the
+// add-ons' extensions through ShareExitGate. enter() says whether a thread coming back from a
+// section without the GIL may take it (false: it parks); entered() follows once it has it.
+struct ExitGate {
+  bool (*enter)();
+  void (*entered)();
+};
+
+inline const ExitGate* g_exit_gate = nullptr;  // none: only the finalization check
+
+// The name of the capsule that hands the core's gate to an add-on's extension.
+inline constexpr char kExitGateCapsule[] = "hostcallback.exit_gate";
+
+inline void ShareExitGate(const ExitGate* gate) { g_exit_gate = gate; }
+
+[[noreturn]] inline void ParkForever() {
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+}
+
 class GilReleased {
  public:
   GilReleased() : state_(PyEval_SaveThread()) {}
   ~GilReleased() {
-    while (WouldBeEndedByFinalization()) std::this_thread::sleep_for(std::chrono::hours(1));
+    const ExitGate* gate = g_exit_gate;
+    if (gate != nullptr && !gate->enter()) ParkForever();
+    if (WouldBeEndedByFinalization()) ParkForever();
     PyEval_RestoreThread(state_);
+    if (gate != nullptr) gate->entered();
   }
   GilReleased(const GilReleased&) = delete;
   GilReleased& operator=(const GilReleased&) = delete;

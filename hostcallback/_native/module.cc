@@ -28,6 +28,7 @@
 //   numpy_api.{h,cc}     the one NumPy C API table of the extension
 //   numpy_records.{h,cc} drained records as numpy views; host arrays on their way in
 //   gil.h                releasing the GIL safely while the interpreter may be finalizing
+//   exit_gate.{h,cc}     where receiver threads park once exit has delivered what it could
 //   interrupts.{h,cc}    Ctrl-C while the main thread waits for the host
 //   module.cc            this file
 //
@@ -54,6 +55,7 @@
 #include "constants.h"
 #include "cuda_tap.h"
 #include "device_queue.h"
+#include "exit_gate.h"
 #include "ffi_handlers.h"
 #include "gil.h"
 #include "interrupts.h"
@@ -366,6 +368,16 @@ void DefineModule(nb::module_& m) {
   pthread_atfork(nullptr, nullptr, NoteForkedChild);
   RememberMainThread(nb::cast<unsigned long>(
       nb::module_::import_("threading").attr("main_thread")().attr("ident")));
+  ShareExitGate(CoreExitGate());
+  m.def("mark_receiver_thread", &MarkReceiverThread,
+        "Marks the calling thread as a receiver: it parks at the exit gate once that is closed.");
+  m.def("close_exit_gate", &CloseExitGate, nb::arg("timeout_s"),
+        "Closes the exit gate (at the end of exit's handler) and waits at most timeout_s for "
+        "the receiver threads past it to have the GIL; False if one still had not.");
+  m.def(
+      "exit_gate",
+      []() { return nb::capsule(static_cast<const void*>(CoreExitGate()), kExitGateCapsule); },
+      "The exit gate, for an add-on's extension to share (its share_exit_gate).");
   m.def("registrations", []() {
     nb::dict d;
     d["hostcallback_tap"] = nb::capsule(reinterpret_cast<void*>(HostcallbackTap));

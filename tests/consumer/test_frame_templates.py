@@ -17,6 +17,7 @@ from jax import lax, tree_util
 
 import hostcallback as hcb
 from helpers import run_python
+from hostcallback._native import outfeed
 from hostcallback._records.registry import Consumer
 from hostcallback.addons import LEAVES, RecordBatch
 from hostcallback.consumer import FileSink, SinkTap, tap_to
@@ -317,3 +318,10 @@ def test_without_the_compiled_framer_sinks_frame_in_python_and_say_so_once(tmp_p
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True"]
     assert result.stderr.count("consumer extension (hostcallback.consumer._frames) cannot") == 1
+
+
+def test_the_consumers_extension_takes_only_the_cores_exit_gate():
+    with pytest.raises(TypeError, match="exit_gate"):
+        frames.share_exit_gate(object())
+    with pytest.raises(TypeError, match="exit_gate"):
+        frames.share_exit_gate(outfeed.registrations()["hostcallback_tap"])

@@ -1,11 +1,11 @@
 """No abort at interpreter exit: a thread of ours that comes back from a section without the GIL
 after finalization has begun parks instead of being ended by CPython (whose forced unwind through
-a noexcept frame aborted the process, rc 134). A thread already waiting for the GIL when
-finalization begins cannot be saved from outside CPython: exit makes sure none of ours is (the
-receivers stop, the barrier's computations finish), and the reproducer below makes sure that
-finalization begins while its drain() waits, a second before the drain comes back. Each case
-runs in many fresh interpreters; HOSTCALLBACK_EXIT_RUNS sets how many for the cases that import
-JAX (50 by hand, see the "Reliability" document)."""
+a noexcept frame aborted the process, rc 134). A thread that passed that check just before
+finalization began and waits for the GIL when it begins cannot be saved that way: for the
+receivers, which run the consumers, exit's handler closes the exit gate once it has delivered
+what it could, and a receiver that comes back after that parks. Each case runs in fresh
+interpreters; HOSTCALLBACK_EXIT_RUNS sets how many for the cases that import JAX (50 by hand, see
+the "Reliability" document)."""
 
 import os
 
@@ -49,6 +49,67 @@ def test_a_thread_waiting_in_drain_while_finalization_runs_on_does_not_abort():
     # The head of stderr: a sanitizer's report starts with the error and its stack.
     assert [(r.returncode, r.stderr[:3000]) for r in results if r.returncode] == []
     assert {r.stdout for r in results} == {"finalization ran on"}
+
+
+RECEIVER_WAITING_FOR_THE_GIL_AS_FINALIZATION_BEGINS = """
+    import atexit, sys, threading, time, types
+
+    # No thread asks another for the GIL: it changes hands only where its holder waits.
+    sys.setswitchinterval(1000)
+
+    def hold_the_gil():
+        # The last exit handler (registered first): keeps the GIL while the receiver's frame
+        # is filled, so the receiver waits for the GIL as finalization begins.
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            pass
+
+    atexit.register(hold_the_gil)
+
+    import jax
+    import numpy as np
+    from jax import tree_util
+    import hostcallback as hcb
+    from hostcallback._records.registry import Consumer
+    from hostcallback.addons import RecordBatch
+    from hostcallback.consumer.frame_templates import make_template
+
+    value = np.ones(20_000_000, np.uint8)  # its frame is filled without the GIL
+    batch = RecordBatch([(1, 0, 0, 0, (value,))], 0, 1,
+                        Consumer(func=print, treedef=tree_util.tree_structure(value)), device=None)
+    template = make_template(batch, {"name": "x", "metadata": {}, "process": 0, "host": "h",
+                                     "device": "d", "device_id": 0})
+    framing = threading.Event()
+
+    def frames_until_the_end(arg, transforms):  # a sink's work, past exit's deadline
+        framing.set()
+        while True:
+            template.frames(batch)
+
+    class SleepsDuringFinalization:
+        def __del__(self, sleep=time.sleep):
+            sleep(0.3)  # gives the GIL away while the interpreter finalizes
+
+    # Held by a module of its own, which finalization clears (this script's globals outlive it).
+    held = types.ModuleType("held_until_finalization")
+    held.sleeper = SleepsDuringFinalization()
+    sys.modules[held.__name__] = held
+    del held
+    jax.jit(lambda x: hcb.id_tap(frames_until_the_end, x))(1.0)
+    framing.wait()
+    """
+
+
+@pytest.mark.timeout(300)
+def test_a_receiver_waiting_for_the_gil_as_finalization_begins_parks_without_abort():
+    """The receiver's consumer frames records (C++, without the GIL) past exit's deadline; the
+    last exit handler keeps the GIL until the frame is filled, so without the exit gate the
+    receiver waits for the GIL when finalization begins and is ended there (abort, 3 of 3)."""
+    for _ in range(3):
+        result = run_python(RECEIVER_WAITING_FOR_THE_GIL_AS_FINALIZATION_BEGINS,
+                            env={"HOSTCALLBACK_EXIT_TIMEOUT": "0.5"}, timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "terminate called" not in result.stderr
 
 
 KEYBOARD_INTERRUPT_WITHOUT_A_BARRIER = """

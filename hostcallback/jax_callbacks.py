@@ -21,7 +21,7 @@ import numpy as np
 from jax import tree_util
 
 from hostcallback import _jax as jx
-from hostcallback._host.printing import Printer
+from hostcallback._host.printing import Printer, has_fields
 from hostcallback._records.registry import Consumer, EqualByKey
 from hostcallback.flavors import CallbackFlavor
 from hostcallback.lifecycle import lifecycle
@@ -107,7 +107,8 @@ def _debug_print(fmt: str, args: tuple, kwargs: dict, ordered: bool, partitioned
                  skip_format_check: bool) -> None:
     if not skip_format_check:
         FormatCheck("jax.debug.print", jax_rules=True).check(fmt, args, kwargs)
-    printer = Printer(fmt, print_options=tuple(np.get_printoptions().items()))
+    printer = Printer(fmt, print_options=tuple(np.get_printoptions().items()),
+                      jax_formats=has_fields(fmt))
     _tap_arguments(_Unbatching(printer), args, kwargs, ordered, partitioned, name="debug.print")
 
 

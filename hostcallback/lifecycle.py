@@ -46,7 +46,7 @@ from hostcallback._native import outfeed
 from hostcallback._records import wire
 from hostcallback._records.registry import BARRIER_MARKER_ID
 from hostcallback._trace import binding, transport
-from hostcallback.errors import CallbackException
+from hostcallback.errors import CallbackException, name_of
 
 logger = logging.getLogger("hostcallback")
 
@@ -198,7 +198,9 @@ class Lifecycle:
 
     def run_flush_hooks(self, deadline: float | None = None) -> None:
         """Flushes every hook; one that can bound its wait (``flush_before``, e.g. SocketSink)
-        gets the caller's deadline (monotonic), so a barrier's timeout and exit bound it too."""
+        gets the caller's deadline (monotonic), so a barrier's timeout and exit bound it too.
+        A hook that raises did not write what it holds: its error is reported as a consumer's
+        is, by this barrier (at exit: logged)."""
         for owner in list(self._flush_hooks):
             try:
                 flush_before = getattr(owner, "flush_before", None)
@@ -206,8 +208,8 @@ class Lifecycle:
                     flush_before(deadline)
                     continue
                 owner.flush()
-            except Exception:
-                logger.exception("hostcallback: flushing %r failed", owner)
+            except Exception as error:  # noqa: BLE001 - the barrier raises it
+                self._pool.failures.record("flush", f"{name_of(owner)}.flush()", "the host", error)
 
     def _wait_for_this_threads_work(self, deadline: float | None, timeout: float | None,
                                     notice: Notice) -> None:
@@ -341,8 +343,9 @@ class Lifecycle:
     def _at_exit(self) -> None:
         """Delivers what is queued, within HOSTCALLBACK_EXIT_TIMEOUT; a Ctrl-C meanwhile leaves
         the rest (one line says how many), and a receiver finishes at most its batch. A consumer
-        that outlasts the deadline runs on until its receiver next comes back from C++ for the
-        GIL, where it parks (the exit gate, closed last)."""
+        that outlasts the deadline runs on until its receiver next comes back from our C++ for
+        the GIL, where it parks (the exit gate, closed last); one that runs JAX then may still be
+        ended inside jaxlib as the interpreter finalizes (docs/reliability.md)."""
         if self._pool.forked:  # the parent delivers its taps and flushes its sinks
             return
         try:

@@ -239,11 +239,13 @@ class CallWithArgs(EqualByKey):
 class FormatCheck(string.Formatter):
     """A format string's fields against the values given, at trace time (nothing is formatted).
 
-    With ``jax_rules`` (``jax.debug.print``'s check, JAX's errors): a field without a value raises
-    what ``str.format`` raises, a value without a field JAX's ValueError, and fields' attributes
-    and indexes are looked up as JAX looks them up. Without (id_print's): a field without a value
-    is a ValueError that names it and says what to pass; values without a field are fine, and
-    only a field's leading name is checked (its attributes are the host array's, not a tracer's).
+    With ``jax_rules`` (``jax.debug.print``'s check, JAX's errors): ``string.Formatter`` formats
+    it as JAX's check does, so a field without a value raises what that raises, a value without a
+    field JAX's ValueError. Without (id_print's, checked as ``str.format`` will read it on the
+    host): a field without a value, in a format spec too, is a ValueError that names the field
+    and says what to pass, as is a string that numbers some fields and not others; values
+    without a field are fine, and only a field's leading name is checked (its attributes and
+    indexes are the host array's, not a tracer's).
     """
 
     def __init__(self, api: str, jax_rules: bool) -> None:
@@ -255,38 +257,39 @@ class FormatCheck(string.Formatter):
             self.format(fmt, *args, **kwargs)
             return
         try:
-            self.vformat(fmt, args, kwargs)
+            self._check_fields(fmt, args, kwargs, {"auto": 0, "kinds": set()}, depth=2)
         except ValueError as error:
             if str(error).startswith(f"{self.api}("):
                 raise
             raise ValueError(f"{self.api}({fmt!r}, ...): not a valid format string: "
                              f"{error}") from None
 
-    def get_field(self, field_name: str, args, kwargs):
-        if self.jax_rules:
-            return super().get_field(field_name, args, kwargs)
-        first = field_name.split(".", 1)[0].split("[", 1)[0]
-        key = int(first) if first.isdigit() else first
-        return self.get_value(key, args, kwargs), key
-
-    def get_value(self, key, args, kwargs):
-        try:
-            return super().get_value(key, args, kwargs)
-        except (IndexError, KeyError):
-            if self.jax_rules:
-                raise
-        if isinstance(key, int):
-            raise ValueError(f"{self.api}({self.fmt!r}, ...) has a field {{{key}}} but only "
-                             f"{len(args)} positional value(s) after the format string") from None
-        raise ValueError(f"{self.api}({self.fmt!r}, ...) has a field {{{key}}} but no keyword "
-                         f"argument {key}=...; pass {self.api}(fmt, {key}=value)") from None
+    def _check_fields(self, fmt: str, args: tuple, kwargs: dict, numbering: dict,
+                      depth: int) -> None:
+        for _, field, spec, _ in self.parse(fmt):
+            if field is None:
+                continue
+            name = field.split(".", 1)[0].split("[", 1)[0]
+            numbering["kinds"].add("automatic" if name == "" else
+                                   "manual" if name.isdigit() else "named")
+            if {"automatic", "manual"} <= numbering["kinds"]:
+                raise ValueError("cannot switch between automatic and manual field numbering")
+            if name == "":
+                name, numbering["auto"] = str(numbering["auto"]), numbering["auto"] + 1
+            if name.isdigit() and int(name) >= len(args):
+                raise ValueError(f"{self.api}({self.fmt!r}, ...) has a field {{{field}}} but "
+                                 f"only {len(args)} positional value(s) after the format string")
+            if not name.isdigit() and name not in kwargs:
+                raise ValueError(f"{self.api}({self.fmt!r}, ...) has a field {{{field}}} but no "
+                                 f"keyword argument {name}=...; pass {self.api}(fmt, "
+                                 f"{name}=value)")
+            if spec and depth > 1:
+                self._check_fields(spec, args, kwargs, numbering, depth - 1)
 
     def format_field(self, value: Any, format_spec: str) -> str:
         return ""
 
     def check_unused_args(self, used_args, args, kwargs) -> None:
-        if not self.jax_rules:
-            return
         unused_args = [arg for i, arg in enumerate(args) if i not in used_args]
         unused_kwargs = [k for k in kwargs if k not in used_args]
         if unused_args:

@@ -128,9 +128,10 @@ if _pluggy_has_new_style_wrappers():
 
 
 def _should_wait(item: pytest.Item) -> bool:
-    """Only once a test has used hostcallback's API (so a session that never does imports
-    nothing), unless the ini option turns it off or an earlier wait gave up."""
-    return ("hostcallback.api" in sys.modules and item.config.getini(WAIT_OPTION)
+    """Only once a test has used hostcallback's API, any of it (everything that taps or calls
+    imports the lifecycle; a session that never does imports nothing), unless the ini option
+    turns it off or an earlier wait gave up."""
+    return ("hostcallback.lifecycle" in sys.modules and item.config.getini(WAIT_OPTION)
             and _gave_up is None)
 
 

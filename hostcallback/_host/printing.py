@@ -95,12 +95,18 @@ def print_formatted(fmt: str, args: tuple, kwargs: dict, transforms: tuple, *, d
         stream.flush()
 
 
-def jax_print_line(fmt: str, args: tuple, kwargs: dict, print_options: tuple) -> str:
-    """What ``jax.debug.print(fmt, *args, **kwargs)`` prints: ``fmt.format`` under the numpy print
-    options in force where it was traced, or, for a string without fields, the string and the
-    values separated by spaces."""
+def has_fields(fmt: str) -> bool:
+    """Whether ``jax.debug.print`` formats ``fmt`` (else it prints it and the values)."""
     fields = [field for _, field, _, _ in string.Formatter().parse(fmt)] if fmt else []
-    if fields and fields[0] is not None:
+    return bool(fields) and fields[0] is not None
+
+
+def jax_print_line(fmt: str, formats: bool, args: tuple, kwargs: dict,
+                   print_options: tuple) -> str:
+    """What ``jax.debug.print(fmt, *args, **kwargs)`` prints: with ``formats`` (``has_fields``),
+    ``fmt.format`` under the numpy print options in force where it was traced; else the string
+    and the values separated by spaces."""
+    if formats:
         with np.printoptions(**dict(print_options)):
             return fmt.format(*args, **kwargs)
     return " ".join((fmt, *(str(a) for a in args)))
@@ -109,20 +115,22 @@ def jax_print_line(fmt: str, args: tuple, kwargs: dict, print_options: tuple) ->
 class Printer(EqualByKey):
     """Every printing consumer. As id_print's (called ``(arg, transforms, device)``): the value
     with its metadata, or with ``fmt`` one formatted line of the tapped ``(args, kwargs)``. As
-    debug.print's (``apply(args, kwargs)``, once per batch element): ``jax_print_line`` under
-    ``print_options``. Equal for equal settings, so that a retrace reuses the consumer id."""
+    debug.print's (``apply(args, kwargs)``, once per batch element, with ``jax_formats``, which
+    ``has_fields`` decided at trace time): ``jax_print_line`` under ``print_options``. Equal for
+    equal settings, so that a retrace reuses the consumer id."""
 
-    __slots__ = ("fmt", "metadata", "output_stream", "print_options", "threshold")
+    __slots__ = ("fmt", "jax_formats", "metadata", "output_stream", "print_options", "threshold")
 
     def __init__(self, fmt: str | None = None, *, output_stream: TextIO | None = None,
                  threshold: int | None = None, metadata: dict[str, Any] | None = None,
-                 print_options: tuple = ()) -> None:
+                 print_options: tuple = (), jax_formats: bool = False) -> None:
         self.fmt, self.output_stream, self.threshold = fmt, output_stream, threshold
         self.metadata, self.print_options = dict(metadata or {}), print_options
+        self.jax_formats = jax_formats
 
     def _key(self):
         return (self.fmt, id(self.output_stream), self.threshold,
-                repr(sorted(self.metadata.items())), repr(self.print_options))
+                repr(sorted(self.metadata.items())), repr(self.print_options), self.jax_formats)
 
     def __call__(self, arg: Any, transforms: tuple, device: Any = None) -> None:
         if self.fmt is None:
@@ -135,4 +143,5 @@ class Printer(EqualByKey):
 
     def apply(self, args: tuple, kwargs: dict) -> None:
         stream = self.output_stream if self.output_stream is not None else sys.stdout
-        stream.write(jax_print_line(self.fmt or "", args, kwargs, self.print_options) + "\n")
+        stream.write(jax_print_line(self.fmt, self.jax_formats, args, kwargs,
+                                    self.print_options) + "\n")

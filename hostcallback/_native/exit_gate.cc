@@ -2,6 +2,7 @@
 
 #include <Python.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -16,10 +17,10 @@ struct GateState {
   int passing = 0;  // receiver threads between enter() and entered()
 };
 
-GateState& State() {
-  static GateState* state = new GateState();  // never destroyed: threads may use it at exit
-  return *state;
-}
+// Never destroyed: threads may use it at exit. Replaced (the old one leaked) in a fork child.
+std::atomic<GateState*> g_state{new GateState()};
+
+GateState& State() { return *g_state.load(std::memory_order_acquire); }
 
 thread_local bool t_is_receiver = false;
 
@@ -46,6 +47,11 @@ const ExitGate kGate{&Enter, &Entered};
 const ExitGate* CoreExitGate() { return &kGate; }
 
 void MarkReceiverThread() { t_is_receiver = true; }
+
+void ResetExitGateInChild() {
+  g_state.store(new GateState(), std::memory_order_release);
+  t_is_receiver = false;
+}
 
 bool CloseExitGate(double timeout_s) {
   GateState& state = State();

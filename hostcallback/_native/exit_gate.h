@@ -18,6 +18,10 @@ const ExitGate* CoreExitGate();
 // Marks the calling thread as a receiver: it parks at a closed gate.
 void MarkReceiverThread();
 
+// In a fork() child: a gate of its own, open, and the forking thread no receiver (the child has
+// no receivers; the parent's lock may have been held by a thread the child does not have).
+void ResetExitGateInChild();
+
 // Closes the gate and waits, without the GIL, at most timeout_s for the receiver threads past it
 // to have the GIL back; false if one still had not (called by the main thread, with the GIL).
 bool CloseExitGate(double timeout_s);

@@ -10,6 +10,7 @@
 
 #include <Python.h>
 
+#include <atomic>
 #include <chrono>
 #include <thread>
 
@@ -41,12 +42,14 @@ struct ExitGate {
   void (*entered)();
 };
 
-inline const ExitGate* g_exit_gate = nullptr;  // none: only the finalization check
+inline std::atomic<const ExitGate*> g_exit_gate{nullptr};  // none: the finalization check only
 
 // The name of the capsule that hands the core's gate to an add-on's extension.
 inline constexpr char kExitGateCapsule[] = "hostcallback.exit_gate";
 
-inline void ShareExitGate(const ExitGate* gate) { g_exit_gate = gate; }
+inline void ShareExitGate(const ExitGate* gate) {
+  g_exit_gate.store(gate, std::memory_order_release);
+}
 
 [[noreturn]] inline void ParkForever() {
   for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
@@ -56,9 +59,9 @@ class GilReleased {
  public:
   GilReleased() : state_(PyEval_SaveThread()) {}
   ~GilReleased() {
-    const ExitGate* gate = g_exit_gate;
-    if (gate != nullptr && !gate->enter()) ParkForever();
     if (WouldBeEndedByFinalization()) ParkForever();
+    const ExitGate* gate = g_exit_gate.load(std::memory_order_acquire);
+    if (gate != nullptr && !gate->enter()) ParkForever();  // a thread counted takes the GIL
     PyEval_RestoreThread(state_);
     if (gate != nullptr) gate->entered();
   }

@@ -366,6 +366,7 @@ void DefineModule(nb::module_& m) {
   m.doc() = "hostcallback's native outfeed queues and XLA FFI handlers";
   if (!ImportNumpyApi()) throw nb::python_error();
   pthread_atfork(nullptr, nullptr, NoteForkedChild);
+  pthread_atfork(nullptr, nullptr, ResetExitGateInChild);
   RememberMainThread(nb::cast<unsigned long>(
       nb::module_::import_("threading").attr("main_thread")().attr("ident")));
   ShareExitGate(CoreExitGate());

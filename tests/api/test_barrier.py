@@ -157,3 +157,28 @@ def test_queue_stats_count_barrier_markers_apart_from_records(transport):
     assert sum(s["records_enqueued"] - before[d] for d, s in stats.items()) == 1
     assert all(s["barrier_markers_enqueued"] == s["barrier_markers_delivered"] > 0
                for s in stats.values())
+
+
+def test_a_flush_hook_that_raises_is_the_barriers_error_once():
+    """A sink that could not write what it holds (its flush raised) says so at the barrier,
+    as a consumer's error does; once it writes again, the barriers are clean."""
+    from hostcallback.addons import add_flush_hook
+
+    class SometimesCannotWrite:
+        full = True
+
+        def __repr__(self):
+            return "SometimesCannotWrite()"
+
+        def flush(self):
+            if self.full:
+                raise OSError("the disk is full")
+
+    owner = SometimesCannotWrite()
+    add_flush_hook(owner)
+    jax.jit(lambda x: hcb.id_tap(lambda *_: None, x))(1.0)
+    with pytest.raises(hcb.CallbackException, match=r"SometimesCannotWrite\(\)\.flush") as caught:
+        hcb.barrier_wait()
+    assert "the disk is full" in str(caught.value)
+    owner.full = False
+    hcb.barrier_wait()

@@ -185,6 +185,16 @@ def test_a_format_string_mixing_numbered_and_automatic_fields_is_refused_at_trac
         hcb.id_print("x}", 1)
 
 
+def test_automatic_fields_with_an_attribute_or_an_index_are_formatted(transport):
+    """``{.real}`` and ``{[0]}`` are the next positional value's attribute and item, as
+    ``str.format`` reads them."""
+    out = io.StringIO()
+    jax.jit(lambda x, y: hcb.id_print("{.real} {[1]}", x, y, output_stream=out))(
+        jnp.float32(1.5), jnp.arange(3))
+    hcb.barrier_wait()
+    assert out.getvalue() == "1.5 1\n"
+
+
 def test_a_format_field_may_name_an_attribute_of_the_host_array(transport):
     """id_print checks only a field's leading name at trace time: the attribute is the host
     array's, which a tracer need not have."""

@@ -320,3 +320,10 @@ def test_print_refuses_what_jax_refuses_with_the_same_error(fmt, args, kwargs, m
             jax.jit(functools.partial(module.print, fmt, **kwargs))(*args)
         errors.append((type(raised.value), str(raised.value)))
     assert errors[0] == errors[1]
+
+
+def test_a_format_string_that_cannot_be_parsed_is_refused_at_trace_time_without_the_check():
+    """skip_format_check leaves out the fields' check, not the parse that decides whether the
+    string is formatted (JAX parses it at trace time too)."""
+    with pytest.raises(ValueError):
+        jax.jit(lambda x: hcb.debug.print("{", x, skip_format_check=True))(1.0)

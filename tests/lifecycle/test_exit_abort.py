@@ -52,17 +52,18 @@ def test_a_thread_waiting_in_drain_while_finalization_runs_on_does_not_abort():
 
 
 RECEIVER_WAITING_FOR_THE_GIL_AS_FINALIZATION_BEGINS = """
-    import atexit, sys, threading, time, types
+    import atexit, os, sys, threading, time, types
 
     # No thread asks another for the GIL: it changes hands only where its holder waits.
     sys.setswitchinterval(1000)
 
-    def hold_the_gil():
+    def hold_the_gil(write=os.write):
         # The last exit handler (registered first): keeps the GIL while the receiver's frame
         # is filled, so the receiver waits for the GIL as finalization begins.
         end = time.monotonic() + 1.0
         while time.monotonic() < end:
             pass
+        write(1, b"finalization begins")
 
     atexit.register(hold_the_gil)
 
@@ -73,6 +74,8 @@ RECEIVER_WAITING_FOR_THE_GIL_AS_FINALIZATION_BEGINS = """
     from hostcallback._records.registry import Consumer
     from hostcallback.addons import RecordBatch
     from hostcallback.consumer.frame_templates import make_template
+    from hostcallback.consumer.native_frames import frames
+    assert frames is not None, "the compiled framer (which releases the GIL) must be there"
 
     value = np.ones(20_000_000, np.uint8)  # its frame is filled without the GIL
     batch = RecordBatch([(1, 0, 0, 0, (value,))], 0, 1,
@@ -110,6 +113,7 @@ def test_a_receiver_waiting_for_the_gil_as_finalization_begins_parks_without_abo
                             env={"HOSTCALLBACK_EXIT_TIMEOUT": "0.5"}, timeout=120)
         assert result.returncode == 0, result.stderr[-3000:]
         assert "terminate called" not in result.stderr
+        assert result.stdout == "finalization begins"
 
 
 KEYBOARD_INTERRUPT_WITHOUT_A_BARRIER = """

@@ -13,6 +13,7 @@ from helpers import run_pytest
 
 # The modules that would mean the plugin made an unrelated run pay for JAX.
 HEAVY_MODULES = ("jax", "jaxlib", "hostcallback._jax", "hostcallback.api",
+                 "hostcallback.jax_callbacks",
                  "hostcallback._host.receiver", "hostcallback.lifecycle",
                  "hostcallback._native")
 

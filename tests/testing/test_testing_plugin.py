@@ -60,6 +60,32 @@ def test_a_consumer_error_fails_the_test_that_used_the_fixture(tmp_path):
     assert "consumer broke" in result.stdout
 
 
+JAX_SIGNATURES_ONLY = """
+    import jax
+    import hostcallback as hcb
+
+    def broken(x):
+        raise ValueError(f"callback broke on {x}")
+
+    def test_a_broken_consumer():
+        jax.jit(lambda x: hcb.{function})(7.0)
+
+    def test_the_next_one():
+        jax.jit(lambda x: x + 1)(1.0)
+    """
+
+
+@pytest.mark.parametrize("function", [
+    "debug.callback(broken, x)",
+    "io_callback(lambda x: broken(x) or x, jax.ShapeDtypeStruct((), 'float32'), x)"])
+def test_a_session_that_uses_only_the_functions_with_jax_signatures_is_waited_for(
+        tmp_path, function):
+    result = run_sample(tmp_path, JAX_SIGNATURES_ONLY.replace("{function}", function))
+    assert "FAILED test_sample.py::test_a_broken_consumer" in result.stdout, result.stdout
+    assert "PASSED test_sample.py::test_the_next_one" in result.stdout, result.stdout
+    assert "callback broke on 7.0" in result.stdout
+
+
 def test_a_consumer_error_fails_its_own_test_without_the_fixture(tmp_path):
     result = run_sample(tmp_path, TWO_TESTS_WITHOUT_THE_FIXTURE)
     assert result.returncode == 1, result.stdout

@@ -32,7 +32,14 @@ from .plotting import plot
 from .series import source_of
 from .stats_sink import StatsSink, format_table
 from .stream import StreamFormatError, TapRecord
-from .stream_files import follow_records, read_records, read_stream, stream_files
+from .stream_files import (
+    expand_streams,
+    follow_records,
+    merged_records,
+    read_records,
+    read_stream,
+    stream_files,
+)
 
 # Arrays with more elements than this print as one line of statistics unless --full is given.
 SUMMARIZE_ABOVE = 16
@@ -57,11 +64,19 @@ def named(records: Iterable[TapRecord], names: list[str] | None) -> Iterator[Tap
             yield record
 
 
-def tail(path: str, follow: bool, poll_seconds: float = 0.2, out=sys.stdout,
+def tail(paths: str | list[str], follow: bool, poll_seconds: float = 0.2, out=None,
          last: int | None = None, names: list[str] | None = None, full: bool = True) -> int:
     """Prints a stream's records (those named ``names``, globs), oldest first; with ``last``,
     only the last ``last`` there are now. ``follow`` then prints every new record as it is
-    written, across rotations. Returns how many it printed."""
+    written, across rotations (and parts, at a URL). Several streams (paths, URLs, globs) are
+    read as one run, merged by process, device and sequence; they cannot be followed. Returns
+    how many it printed."""
+    streams = expand_streams([paths] if isinstance(paths, (str, os.PathLike)) else paths)
+    if follow and len(streams) > 1:
+        raise ValueError(f"--follow takes one stream; {len(streams)} were named "
+                         f"({', '.join(streams[:3])}{', ...' if len(streams) > 3 else ''})")
+    path = streams[0]
+    out = out if out is not None else sys.stdout  # the one in force now, not at import
     printed = 0
 
     def show(record: TapRecord) -> None:
@@ -70,7 +85,8 @@ def tail(path: str, follow: bool, poll_seconds: float = 0.2, out=sys.stdout,
         printed += 1
 
     if not follow:
-        records = named(read_stream(path), names)
+        records = named(read_stream(path) if len(streams) == 1 else merged_records(streams),
+                        names)
         for record in records if last is None else collections.deque(records, maxlen=last):
             show(record)
         return printed
@@ -107,7 +123,7 @@ def stats(paths: str | list[str]) -> str | None:
     source (process/device), the same table per source; None when there are no records."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
     merged, per_source = StatsSink(), collections.defaultdict(StatsSink)
-    for path in paths:
+    for path in expand_streams(paths):
         for record in read_stream(path):
             merged.emit(record)
             per_source[source_of(record)].emit(record)
@@ -169,10 +185,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_collect_arguments(collect)
     tail_parser = commands.add_parser("tail", help="print a stream's records",
                                       description="Print records as id_print would.")
-    tail_parser.add_argument("file", help="a record stream (.hcbs) written by FileSink or "
-                             "the collector")
+    tail_parser.add_argument("files", nargs="+", metavar="FILE",
+                             help="a record stream (.hcbs) written by FileSink or the "
+                             "collector: a path or an fsspec URL (s3://bucket/run/0.hcbs); "
+                             "several, or a glob ('s3://bucket/run/*.hcbs'), are read as one "
+                             "run, merged by process, device and sequence")
     tail_parser.add_argument("--follow", "-f", action="store_true",
-                             help="keep reading as the file grows, until Ctrl-C")
+                             help="keep reading as the stream grows, until Ctrl-C (one stream)")
     tail_parser.add_argument("-n", "--lines", type=_count, metavar="N",
                              help="print only the last N records (with --follow: the last N, "
                              "then every new one)")
@@ -187,12 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
                                        "scalar series, over all records and per source "
                                        "(process/device) when there are several.")
     stats_parser.add_argument("files", nargs="+", metavar="FILE",
-                              help="record streams; several are read as one")
+                              help="record streams: paths, fsspec URLs or globs of them; "
+                              "several are read as one")
     plot_parser = commands.add_parser("plot", help="line charts of scalar series",
                                       description="One panel per series, one line per source "
                                       "(process/device), against step. Needs matplotlib.")
     plot_parser.add_argument("files", nargs="+", metavar="FILE",
-                             help="record streams; several are read as one")
+                             help="record streams: paths, fsspec URLs or globs of them; "
+                             "several are read as one")
     plot_parser.add_argument("--name", action="append", metavar="SERIES",
                              help="series to draw, as `stats` lists them (train.loss), or a "
                              "glob (train.*); repeat for several (default: every series)")
@@ -214,13 +235,18 @@ def run(args: argparse.Namespace) -> int:
         return collect_command(args)
     if args.command == "tail":
         try:
-            printed = tail(args.file, args.follow, last=args.lines, names=args.name,
+            printed = tail(args.files, args.follow, last=args.lines, names=args.name,
                            full=args.full)
         except KeyboardInterrupt:
             return 0
+        except StreamFormatError:
+            raise
+        except ValueError as error:  # --follow of several streams
+            complain("tail", str(error))
+            return 2
         if not printed and args.lines != 0:
             which = f" named {', '.join(args.name)}" if args.name else ""
-            complain("tail", f"no records{which} in {args.file}")
+            complain("tail", f"no records{which} in {' '.join(args.files)}")
         return 0
     if args.command == "stats":
         table = stats(args.files)
@@ -252,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     except StreamFormatError as error:
         complain(args.command, f"{_files(args)} is not a readable record stream: {error}")
         return 1
+    except ImportError as error:  # a URL whose filesystem needs a package not installed
+        complain(args.command, str(error))
+        return 1
     except OSError as error:
         where = f": {error.filename}" if error.filename else ""
         complain(args.command, f"{error.strerror or error}{where}")
@@ -259,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _files(args: argparse.Namespace) -> str:
-    return getattr(args, "file", None) or " ".join(getattr(args, "files", []))
+    return " ".join(getattr(args, "files", []))
 
 
 if __name__ == "__main__":

@@ -1,45 +1,93 @@
-"""FileSink: records appended to a stream file, rotated past a size limit.
+"""FileSink: records appended to a stream file, rotated past a size limit; or written as parts
+to any fsspec URL (``storage``).
 
 It writes whole frames only, so a crash mid-write leaves every earlier record readable, and it
 never rewrites what it wrote: rotation renames files (``path`` to ``path.1``, ...), as
-``logging.handlers.RotatingFileHandler`` does.
+``logging.handlers.RotatingFileHandler`` does; at a URL each part is written once.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import threading
 
 from hostcallback.addons import add_flush_hook
 
-from .sink_base import FrameSink
+from .sink_base import FrameSink, process_index
+from .storage import PartWriter, filesystem, is_url
 from .stream import StreamWriter
+
+PLACEHOLDERS = ("{process}", "{host}")
+
+
+def expand_placeholders(path: str) -> str:
+    """``path`` with ``{process}`` (``jax.process_index()``) and ``{host}`` filled in."""
+    if "{process}" in path:
+        path = path.replace("{process}", str(process_index()))
+    return path.replace("{host}", socket.gethostname())
 
 
 class FileSink(FrameSink):
     """Appends records to a stream file; rotates it past ``max_bytes`` (0: never).
+
+    ``path`` may be an fsspec URL (``gs://bucket/run/{process}.hcbs``, ``s3://...``,
+    ``memory://...``; ``pip install 'hostcallback[storage]'``): the stream is then written as
+    parts, ``URL.part-000000`` and on, each closed once it holds ``part_bytes`` or its first
+    record is ``part_seconds`` old, and at every ``barrier_wait`` and exit; a part the store
+    refuses is kept (at most ``buffer_bytes`` of them, the oldest dropped past that and counted)
+    and tried again, and each failed try is this sink's error at the next ``barrier_wait``.
+    ``{process}`` and ``{host}`` in ``path`` are filled in at the first record.
 
     Every write is whole frames (one, or a receiver's batch of them), so a crash mid-write
     leaves every earlier record readable. The file is flushed after each ``barrier_wait`` and at
     exit.
     """
 
-    def __init__(self, path: str | os.PathLike, max_bytes: int = 0, backup_count: int = 5) -> None:
+    def __init__(self, path: str | os.PathLike, max_bytes: int = 0, backup_count: int = 5, *,
+                 part_bytes: int = 8 << 20, part_seconds: float = 60.0,
+                 buffer_bytes: int = 256 << 20) -> None:
         self.path = os.fspath(path)
         self.max_bytes = max_bytes
         self.backup_count = backup_count
+        self._part_settings = (part_bytes, part_seconds, buffer_bytes)
         self._lock = threading.Lock()
         self._file = None
-        self._open()
+        self._parts: PartWriter | None = None
+        self._closed = False
+        self._at_url = is_url(self.path)
+        if self._at_url:
+            filesystem(self.path)  # at once: fsspec, or the protocol's package, is missing
+        elif not any(p in self.path for p in PLACEHOLDERS):
+            self._open()  # at once: a path that cannot be written fails here
         add_flush_hook(self)
 
+    def __repr__(self) -> str:
+        return f"FileSink({self.path!r})"
+
+    @property
+    def dropped(self) -> int:
+        """Records dropped because the store at the URL refused them for too long (each
+        refusal's error says how many so far); 0 for a local file."""
+        return self._parts.dropped if self._parts is not None else 0
+
     def _open(self) -> None:
+        self.path = expand_placeholders(self.path)
+        if is_url(self.path):
+            self._parts = PartWriter(self.path, *self._part_settings)
+            return
         directory = os.path.dirname(self.path)
         if directory:
             os.makedirs(directory, exist_ok=True)
         self._file = open(self.path, "ab")  # noqa: SIM115 - held open until close()
         # A header on every open: appending to an older file (even version 1) stays readable.
         self._writer = StreamWriter(self._file)
+
+    def _opened(self) -> None:
+        if self._closed:
+            raise ValueError(f"FileSink({self.path!r}) is closed")
+        if self._file is None and self._parts is None:
+            self._open()
 
     def _rotate(self) -> None:
         self._file.close()
@@ -55,29 +103,45 @@ class FileSink(FrameSink):
 
     def emit_frame(self, data: bytes, name: str) -> None:
         with self._lock:
-            if self._file is None:
-                raise ValueError(f"FileSink({self.path!r}) is closed")
+            self._opened()
+            if self._parts is not None:
+                self._parts.write([data])
+                return
             if self.max_bytes and self._file.tell() + len(data) > self.max_bytes \
                     and self._file.tell() > 0:
                 self._rotate()
             self._file.write(data)
 
     def emit_frames(self, frames: list[bytes], name: str) -> None:
-        if self.max_bytes:  # rotation is decided frame by frame
+        if self.max_bytes and not self._at_url:  # rotation is decided frame by frame
             super().emit_frames(frames, name)
             return
         with self._lock:
-            if self._file is None:
-                raise ValueError(f"FileSink({self.path!r}) is closed")
-            self._file.write(b"".join(frames))
+            self._opened()
+            if self._parts is not None:
+                self._parts.write(frames)
+            else:
+                self._file.write(b"".join(frames))
 
     def flush(self) -> None:
         with self._lock:
-            if self._file is not None:
+            if self._parts is not None:
+                self._parts.flush()
+            elif self._file is not None:
                 self._file.flush()
 
     def close(self) -> None:
+        """Writes what is left and closes; at a URL whose store refuses what is left, closes
+        anyway and raises an OSError that says how many records are lost."""
         with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            parts, file = self._parts, self._file
+            self._parts, self._file, self._closed = None, None, True
+            if file is not None:
+                file.close()
+            if parts is None:
+                return
+            try:
+                parts.flush()
+            except OSError as error:
+                raise OSError(f"{self!r} closed with {parts.pending} record(s) its store did "
+                              f"not take ({error.__cause__ or error})") from error

@@ -17,7 +17,7 @@ import numpy as np
 
 from .stats_sink import scalar_series
 from .stream import TapRecord
-from .stream_files import read_stream
+from .stream_files import expand_streams, read_stream
 
 
 def source_of(record: TapRecord) -> str:
@@ -37,7 +37,7 @@ def read_series(paths: Iterable[str | os.PathLike]) -> dict[str, dict[str, Point
     A record without a step is placed at its position in its source's series.
     """
     out: dict[str, dict[str, Points]] = {}
-    for path in paths:
+    for path in expand_streams(paths):
         for record in read_stream(path):
             source = source_of(record)
             for name, value in scalar_series(record).items():

@@ -2,19 +2,24 @@
 
 ``FileSink`` rotates ``path`` to ``path.1``, ``path.2``, ... past its size limit; the readers here
 take a stream and its rotated files oldest first, and ``follow_records`` (what ``tail --follow``
-uses) keeps reading a file as it grows and follows it through rotations. Damage is skipped and
-reported as the StreamReader in ``stream`` finds it. This module never writes a stream.
+uses) keeps reading a file as it grows and follows it through rotations. A stream at an fsspec
+URL is its parts, in order (``storage``), and is followed part by part. ``expand_streams`` turns
+globs (local or URL) into streams, and ``merged_records`` reads many streams as one. Damage is
+skipped and reported as the StreamReader in ``stream`` finds it. This module never writes a
+stream.
 """
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import BinaryIO
 
+from . import storage
 from .stream import SkippedRange, StreamReader, TapRecord
 
 logger = logging.getLogger("hostcallback.stream")
@@ -33,7 +38,10 @@ def read_records(path_or_file, skipped: list[SkippedRange] | None = None) -> Ite
     ``skipped`` if given, else logged as a warning on ``hostcallback.stream``.
     """
     opened = isinstance(path_or_file, (str, os.PathLike))
-    file = open(path_or_file, "rb") if opened else path_or_file  # noqa: SIM115
+    if opened and storage.is_url(os.fspath(path_or_file)):
+        file = storage.open_url(os.fspath(path_or_file))
+    else:
+        file = open(path_or_file, "rb") if opened else path_or_file  # noqa: SIM115
     name = os.fspath(path_or_file) if file is not path_or_file else getattr(file, "name", "stream")
     reader = StreamReader(on_skip=skipped.append if skipped is not None else _warn_skipped(name),
                           following=False)
@@ -50,8 +58,11 @@ def read_records(path_or_file, skipped: list[SkippedRange] | None = None) -> Ite
 
 
 def stream_files(path: str | os.PathLike) -> list[str]:
-    """A stream's files, oldest first: ``path.N`` ... ``path.1`` (rotated by FileSink), ``path``."""
+    """A stream's files, oldest first: ``path.N`` ... ``path.1`` (rotated by FileSink), ``path``;
+    at a URL, its parts."""
     path = os.fspath(path)
+    if storage.is_url(path):
+        return storage.stream_parts(path, fresh=True) or [path]
     directory, base = os.path.split(path)
     pattern = re.compile(re.escape(base) + r"\.(\d+)$")
     rotated = []
@@ -108,6 +119,9 @@ def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
     read_records. Ends when ``should_stop()`` is true at the end of the data.
     """
     path = os.fspath(path)
+    if storage.is_url(path):
+        yield from storage.follow_parts(path, read_records, poll_seconds, should_stop)
+        return
     file = open(path, "rb")  # noqa: SIM115 (replaced as the stream rotates)
     reader = StreamReader(on_skip=_warn_skipped(path))
     try:
@@ -138,3 +152,33 @@ def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
             time.sleep(poll_seconds)
     finally:
         file.close()
+
+
+def expand_streams(patterns: Iterable[str | os.PathLike]) -> list[str]:
+    """The streams that paths, URLs and globs of them name, each once, in the order given (a
+    glob's matches sorted). A glob that matches nothing is a FileNotFoundError naming it."""
+    streams: list[str] = []
+    for pattern in map(os.fspath, patterns):
+        if not storage.has_glob(pattern):
+            found = [pattern]
+        elif storage.is_url(pattern):
+            found = storage.matching_streams(pattern)
+        else:
+            found = sorted({re.sub(r"\.\d+$", "", name) for name in glob.glob(pattern)
+                            + glob.glob(pattern + ".[0-9]*")})
+        if not found:
+            raise FileNotFoundError(2, "no stream matches", pattern)
+        streams.extend(name for name in found if name not in streams)
+    return streams
+
+
+def merged_records(paths: Iterable[str | os.PathLike],
+                   skipped: list[SkippedRange] | None = None) -> list[TapRecord]:
+    """The records of many streams as one run: ordered by process, device and sequence, and
+    where those are equal (streams of an older version have no sequence) as the streams are
+    given and each stream's records were written."""
+    keyed = [((record.process, record.device_id, record.sequence), n, i, record)
+             for n, stream in enumerate(expand_streams(paths))
+             for i, record in enumerate(read_stream(stream, skipped))]
+    keyed.sort(key=lambda item: item[:3])
+    return [record for *_, record in keyed]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import os
 import re
 import threading
 import time
@@ -51,6 +52,11 @@ def filesystem(url: str) -> tuple[Any, str]:
         return fsspec.core.url_to_fs(url)
     except ImportError as error:  # fsspec knows the protocol and names the missing package
         raise ImportError(f"{url}: {error}") from None
+
+
+def _is_local(fs: Any) -> bool:
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol
+    return "file" in protocols or "local" in protocols
 
 
 def part_path(path: str, number: int) -> str:
@@ -203,6 +209,8 @@ class PartWriter:
             target = self.url
             try:
                 if self._next_number is None:  # a restarted run adds parts after the last
+                    if _is_local(self.fs):  # object stores have no folders to make
+                        self.fs.makedirs(os.path.dirname(self.path), exist_ok=True)
                     numbers = [number for part in stream_parts(self.url, fresh=True)
                                if (number := _part_number(part)) is not None]
                     self._next_number = max(numbers, default=-1) + 1

@@ -11,6 +11,12 @@ the workers in HOSTCALLBACK_COLLECTOR_TOKEN, never on a command line. When the w
 the launcher stops the collector and checks that every (process, device, step) record arrived
 exactly once. On a real pod, start the collector on one host and run the worker part
 (``--worker``) on every host with its coordinator address; nothing else changes.
+
+    python examples/pod_localhost.py --to 's3://my-bucket/runs/pod/{process}.hcbs'
+
+writes each process's records to its own stream at that fsspec URL (``FileSink``; needs the
+``storage`` extra and the store's package, such as s3fs) instead, with no collector, and reads
+them back merged (``hostcallback-consumer tail 's3://my-bucket/runs/pod/*.hcbs'`` does the same).
 """
 
 from __future__ import annotations
@@ -30,9 +36,10 @@ from pathlib import Path
 DEVICES_PER_PROCESS = 2
 
 
-def worker(coordinator: str, processes: int, process_id: int, collector: str,
-           steps: int) -> None:
-    """One process of the job: join the cluster, run the sharded steps, stream every shard."""
+def worker(coordinator: str, processes: int, process_id: int, collector: str | None,
+           steps: int, to: str | None = None) -> None:
+    """One process of the job: join the cluster, run the sharded steps, stream every shard to
+    the collector, or to the stream at URL ``to``."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -41,10 +48,13 @@ def worker(coordinator: str, processes: int, process_id: int, collector: str,
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=processes,
                                process_id=process_id)
     import hostcallback as hcb
-    from hostcallback.consumer import SocketSink, tap_to
+    from hostcallback.consumer import FileSink, SocketSink, tap_to
 
-    host, port = collector.rsplit(":", 1)
-    sink = SocketSink(host, int(port), run="pod")  # the token comes from the environment
+    if to is not None:
+        sink = FileSink(to)  # {process} is filled in with this process's index
+    else:
+        host, port = collector.rsplit(":", 1)
+        sink = SocketSink(host, int(port), run="pod")  # the token comes from the environment
     mesh = jax.make_mesh((jax.device_count(),), ("batch",))
     batch = NamedSharding(mesh, P("batch"))
 
@@ -61,7 +71,7 @@ def worker(coordinator: str, processes: int, process_id: int, collector: str,
     for i in range(steps):
         weights = step(weights, data, jnp.int32(i))
     hcb.barrier_wait()  # this process's taps have been handed to the sink
-    sink.close()        # and sent to the collector
+    sink.close()        # and sent to the collector, or written
     print(f"process {process_id}: {steps} steps done", flush=True)
 
 
@@ -135,6 +145,34 @@ def launch(processes: int, steps: int, out: Path, deadline_s: float = 600) -> in
     return check(out / "pod.hcbs", processes, steps)
 
 
+def launch_to_streams(processes: int, steps: int, to: str, deadline_s: float = 600) -> int:
+    """The job without a collector: each process writes its own stream at ``to``."""
+    if "{process}" not in to:
+        raise SystemExit("--to needs {process} in the URL: each process writes its own stream")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES_PER_PROCESS}")
+    coordinator = f"127.0.0.1:{free_port()}"
+    workers = [subprocess.Popen(
+        [sys.executable, __file__, "--worker", str(p), "--coordinator", coordinator,
+         "--processes", str(processes), "--to", to, "--steps", str(steps)], env=env)
+        for p in range(processes)]
+    try:
+        codes = wait_all(workers, deadline_s)
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+                w.wait()
+    if any(code != 0 for code in codes):
+        print(f"workers exited with {codes}", file=sys.stderr)
+        return 1
+    from hostcallback.consumer.stream_files import merged_records
+
+    pattern = to.replace("{process}", "*")
+    return report(pattern, [(r.process, r.device_id, r.step) for r in merged_records([pattern])],
+                  processes, steps)
+
+
 def wait_all(workers: list[subprocess.Popen], deadline_s: float) -> list[int | None]:
     """Exit codes once all have exited, or as soon as one fails or the deadline passes (None
     for those still running)."""
@@ -151,11 +189,15 @@ def check(path: Path, processes: int, steps: int) -> int:
     """Every (process, device, step) exactly once: a record per shard of every step."""
     from hostcallback.consumer import read_records
 
-    seen = collections.Counter((r.source.rsplit("/", 1)[-1], r.device_id, r.step)
-                               for r in read_records(path))
+    return report(path, [(r.source.rsplit("/", 1)[-1], r.device_id, r.step)
+                         for r in read_records(path)], processes, steps)
+
+
+def report(where, keys: list[tuple], processes: int, steps: int) -> int:
+    seen = collections.Counter(keys)
     expected = processes * DEVICES_PER_PROCESS * steps
     duplicates = sum(count - 1 for count in seen.values())
-    print(f"{path}: {sum(seen.values())} records, {len(seen)} distinct of {expected} expected, "
+    print(f"{where}: {sum(seen.values())} records, {len(seen)} distinct of {expected} expected, "
           f"{duplicates} duplicates")
     return 0 if len(seen) == expected and duplicates == 0 else 1
 
@@ -170,10 +212,16 @@ def main() -> int:
                         help="run one worker process (the launcher passes this)")
     parser.add_argument("--coordinator", help="host:port of jax.distributed's coordinator")
     parser.add_argument("--collector", help="host:port of the collector")
+    parser.add_argument("--to", metavar="URL",
+                        help="no collector: each process writes its own stream at this fsspec "
+                        "URL (or path), which must hold {process}")
     args = parser.parse_args()
     if args.worker is not None:
-        worker(args.coordinator, args.processes, args.worker, args.collector, args.steps)
+        worker(args.coordinator, args.processes, args.worker, args.collector, args.steps,
+               to=args.to)
         return 0
+    if args.to is not None:
+        return launch_to_streams(args.processes, args.steps, args.to)
     return launch(args.processes, args.steps, args.out)
 
 

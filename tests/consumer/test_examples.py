@@ -52,3 +52,16 @@ def test_the_pod_example_gets_every_shard_of_every_process_to_the_collector_once
     token = token_file.read_text().strip()
     assert len(token) == 64 and token.encode() not in (tmp_path / "pod.hcbs").read_bytes()
     assert token not in result.stdout + result.stderr
+
+
+@pytest.mark.timeout(300)
+def test_the_pod_example_can_write_each_process_to_a_stream_at_a_url(tmp_path):
+    pytest.importorskip("fsspec", reason="streams at URLs need fsspec ('.[test]' has it)")
+    url = f"file://{tmp_path}/pod/{{process}}.hcbs"
+    result = subprocess.run([sys.executable, str(EXAMPLES / "pod_localhost.py"), "--processes",
+                             "2", "--steps", "10", "--to", url], capture_output=True,
+                            text=True, timeout=280, check=False, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ": 40 records, 40 distinct of 40 expected, 0 duplicates" in result.stdout
+    assert sorted(path.name for path in (tmp_path / "pod").iterdir()) == [
+        "0.hcbs.part-000000", "1.hcbs.part-000000"]

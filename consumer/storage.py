@@ -76,7 +76,7 @@ def stream_parts(url: str, fresh: bool = False) -> list[str]:
         fs.invalidate_cache()
     numbered = sorted((number, found) for found in fs.glob(_escaped(path) + PART + "*")
                       if (number := _part_number(found)) is not None
-                      and found[:-len(f"{PART}{number:06d}")] == path)
+                      and found == part_path(path, number))
     whole = [url] if fs.exists(path) else []
     return whole + [fs.unstrip_protocol(found) for _, found in numbered]
 
@@ -102,7 +102,8 @@ def _escaped(path: str) -> str:
 
 def open_url(url: str):
     """A stream object at ``url``, opened for reading."""
-    return filesystem(url)[0].open(filesystem(url)[1], "rb")
+    fs, path = filesystem(url)
+    return fs.open(path, "rb")
 
 
 def follow_parts(url: str, read: Callable[[str], Iterator[Any]], poll_seconds: float,

@@ -310,3 +310,16 @@ def test_two_processes_write_their_streams_to_s3_and_the_cli_merges_them(s3, cap
     assert keys == sorted(keys, key=lambda k: (k[0], k[1]))
     assert cli(["stats", pattern]) == 0
     assert "per source:" in capsys.readouterr().out
+
+
+def test_a_local_glob_names_each_stream_once_with_its_rotated_files(tmp_path):
+    for process in (0, 1):
+        sink = FileSink(tmp_path / f"{process}.hcbs", max_bytes=400)  # a few records a file
+        _records(sink, process, range(6))
+        sink.close()
+    assert (tmp_path / "0.hcbs.1").exists()
+    assert expand_streams([tmp_path / "*.hcbs"]) == [str(tmp_path / "0.hcbs"),
+                                                     str(tmp_path / "1.hcbs")]
+    records = merged_records([str(tmp_path / "*.hcbs")])
+    assert [(r.process, r.step) for r in records] == \
+        [(0, step) for step in range(6)] + [(1, step) for step in range(6)]

@@ -345,7 +345,7 @@ class Lifecycle:
         the rest (one line says how many), and a receiver finishes at most its batch. A consumer
         that outlasts the deadline runs on until its receiver next comes back from our C++ for
         the GIL, where it parks (the exit gate, closed last); one that runs JAX then may still be
-        ended inside jaxlib as the interpreter finalizes (docs/reliability.md)."""
+        ended inside jaxlib as the interpreter finalizes (the "Reliability" document)."""
         if self._pool.forked:  # the parent delivers its taps and flushes its sinks
             return
         try:

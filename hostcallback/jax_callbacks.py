@@ -22,7 +22,7 @@ from jax import tree_util
 
 from hostcallback import _jax as jx
 from hostcallback._host.printing import Printer, has_fields
-from hostcallback._records.registry import Consumer, EqualByKey
+from hostcallback._records.registry import DEBUG_CALLBACK_API, Consumer, EqualByKey
 from hostcallback.flavors import CallbackFlavor
 from hostcallback.lifecycle import lifecycle
 from hostcallback.tapping import (
@@ -122,7 +122,7 @@ def _tap_arguments(function: _Unbatching, args: tuple, kwargs: dict, ordered: bo
     flat, treedef, key_impls = flatten(tuple(dynamic))
     # Key arrays travel as their key data and become keys again per batch element.
     function.bind_layout(in_tree, static, key_impls)
-    consumer = Consumer(func=function, treedef=treedef, name=name)
+    consumer = Consumer(func=function, treedef=treedef, name=name, jax_api=DEBUG_CALLBACK_API)
     bind_tap(consumer, flat, 0, bool(ordered), CallbackFlavor.DEBUG,
              **tap_only_params(partitioned, "deliver"))
 

@@ -40,6 +40,10 @@ class EqualByKey:
         return hash(self._key())
 
 
+# Consumer.jax_api of hostcallback.debug's taps.
+DEBUG_CALLBACK_API = "debug_callback"
+
+
 @dataclasses.dataclass(frozen=True)
 class Consumer:
     """What to do with the records of one tap site."""
@@ -61,7 +65,8 @@ class Consumer:
     # A call traced with x64 on accepts only exact result dtypes (no float64 -> float32).
     x64: bool = False
     # "pure_callback" or "io_callback": a call made through hostcallback's function of that
-    # name, which fails under transformations with JAX's own exceptions and messages.
+    # name, which fails under transformations with JAX's own exceptions and messages;
+    # DEBUG_CALLBACK_API: a tap of hostcallback.debug, transformed as JAX's debug callback is.
     jax_api: str = ""
 
     # A tap function's ``tap_batch`` method (hostcallback._host.batches), taken once; never a

@@ -4,6 +4,7 @@ in order, and the text printed)."""
 
 import functools
 import inspect
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -215,6 +216,52 @@ def test_sharded_jit_calls_once_with_the_whole_value_or_per_shard(transport, par
         return jax.jit(lambda v: debug.callback(record, v * 2, partitioned=partitioned))
 
     assert_same_calls(program, x, any_order=True)
+
+
+def _pjit_on(mesh, program):
+    """JAX's own tests' form: pjit under the mesh."""
+    from jax.experimental import pjit
+
+    def run(*args):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # pjit and `with mesh`
+            with mesh:
+                return pjit.pjit(program)(*args)
+    return run
+
+
+@pytest.mark.needs_internals("taps in a jit over a sharded mesh")
+def test_a_partitioned_print_under_vmap_prints_each_elements_shards_as_jax_does(transport, capsys):
+    """JAX's debugging_primitives_test (PartitionedDebugCallbackTest): leaves batched on
+    different axes of differently split arrays; each device prints its shard of each element."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    split = NamedSharding(mesh, P("x"))
+    x = jax.device_put(np.arange(4).reshape(2, 2), split)
+    y = jax.device_put(np.arange(4).reshape(2, 2) + 6, split)
+
+    def program(debug):
+        return _pjit_on(mesh, functools.partial(jax.vmap, in_axes=(0, 1))(
+            lambda x, y: debug.print("hello: {} {}", x, y, partitioned=True)))
+
+    theirs, ours = printed(capsys, program, x, y)
+    assert sorted(ours.splitlines()) == sorted(theirs.splitlines()) == [
+        "hello: [0 1] [6]", "hello: [0 1] [8]", "hello: [2 3] [7]", "hello: [2 3] [9]"]
+
+
+@pytest.mark.needs_internals("taps in a jit over a sharded mesh")
+@pytest.mark.parametrize("vmaps", [1, 2])
+def test_a_partitioned_print_under_nested_vmaps_prints_what_jax_prints(transport, capsys, vmaps):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]).reshape(1, 1, 2), ("x", "y", "z"))
+    arr = jax.device_put(np.arange(24).reshape(2, 3, 4), NamedSharding(mesh, P("x", "y", "z")))
+
+    def program(debug):
+        body = functools.partial(debug.print, "hello: {}", partitioned=True)
+        for _ in range(vmaps):
+            body = jax.vmap(body)
+        return _pjit_on(mesh, body)
+
+    theirs, ours = printed(capsys, program, arr)
+    assert sorted(ours.splitlines()) == sorted(theirs.splitlines())
 
 
 @pytest.mark.needs_internals("ordered=True")

@@ -93,6 +93,12 @@ class _Dispatcher:
     def thread(self) -> threading.Thread | None:
         return self._thread
 
+    def wait_idle(self, timeout: float) -> bool:
+        """Waits at most ``timeout`` s for the work submitted so far to end; whether it did."""
+        if self._thread is None or not self._thread.is_alive():
+            return True
+        return self.submit(lambda: None).wait(timeout)
+
     def submit(self, work) -> threading.Event:
         """Runs ``work()`` on the thread; the event is set once it has returned or raised."""
         done = threading.Event()
@@ -351,6 +357,11 @@ class Lifecycle:
         try:
             self._deliver_at_exit()
         finally:
+            # A barrier that gave up may have left the dispatcher inside jaxlib, dispatching
+            # markers behind a computation that waited for the host; the queues are closed now,
+            # so that ends, and the thread must be out of jaxlib before finalization begins.
+            if not self._dispatcher.wait_idle(_EXIT_GATE_SECONDS):
+                logger.debug("hostcallback: the barrier's dispatcher is still busy at exit")
             # A receiver still in a consumer now parks when it next comes back for the GIL,
             # rather than wait for it while the interpreter finalizes (gil.h says why).
             if not outfeed.close_exit_gate(_EXIT_GATE_SECONDS):

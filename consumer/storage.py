@@ -215,8 +215,9 @@ class PartWriter:
                     numbers = [number for part in stream_parts(self.url, fresh=True)
                                if (number := _part_number(part)) is not None]
                     self._next_number = max(numbers, default=-1) + 1
-                target = self.fs.unstrip_protocol(part_path(self.path, self._next_number))
-                self.fs.pipe_file(part_path(self.path, self._next_number), data)
+                part = part_path(self.path, self._next_number)
+                target = self.fs.unstrip_protocol(part)
+                self.fs.pipe_file(part, data)
             except Exception as error:  # noqa: BLE001 - credentials, network, a missing bucket
                 self._next_try = time.monotonic() + self.retry_seconds
                 kept = sum(records for _, records in self._waiting)

@@ -254,9 +254,9 @@ def pure_callback(callback: Callable[..., Any], result_shape_dtypes: Any, *args:
     ``vmap_method`` has jax.pure_callback's meanings.
     """
     return bind_call(_checked_callback("pure_callback", callback, sharding, args, kwargs),
-                 (args, kwargs), result_shape=result_shape_dtypes,
+                     (args, kwargs), result_shape=result_shape_dtypes,
                      callback_flavor=CallbackFlavor.PURE, vmap_method=vmap_method,
-                 jax_api="pure_callback")
+                     jax_api="pure_callback")
 
 
 def io_callback(callback: Callable[..., Any], result_shape_dtypes: Any, *args: Any,
@@ -270,6 +270,6 @@ def io_callback(callback: Callable[..., Any], result_shape_dtypes: Any, *args: A
     under grad it raises, as JAX's does. ``sharding``: as for pure_callback.
     """
     return bind_call(_checked_callback("io_callback", callback, sharding, args, kwargs),
-                 (args, kwargs), result_shape=result_shape_dtypes, ordered=bool(ordered),
-                 callback_flavor=CallbackFlavor.IO_CALLBACK,
-                 vmap_method=None if ordered else "sequential", jax_api="io_callback")
+                     (args, kwargs), result_shape=result_shape_dtypes, ordered=bool(ordered),
+                     callback_flavor=CallbackFlavor.IO_CALLBACK,
+                     vmap_method=None if ordered else "sequential", jax_api="io_callback")

@@ -132,8 +132,6 @@ def tap_only_params(partitioned: bool, replays: str) -> dict:
     return {"partitioned": bool(partitioned), "replays": replays}
 
 
-
-
 def result_spec(result_shape) -> tuple[tree_util.PyTreeDef, tuple]:
     """The structure and (shape, dtype) of each leaf of ``result_shape``, checked at trace time."""
     if result_shape is None:

@@ -113,12 +113,14 @@ def follow_parts(url: str, read: Callable[[str], Iterator[Any]], poll_seconds: f
     ``should_stop()`` is true once every part listed has been read."""
     seen: set[str] = set()
     while True:
+        # Asked before listing: a part written just before should_stop() turned true is read.
+        stopping = should_stop is not None and should_stop()
         new = [part for part in stream_parts(url, fresh=True) if part not in seen]
         for part in new:
             seen.add(part)
             yield from read(part)
         if not new:
-            if should_stop is not None and should_stop():
+            if stopping:
                 return
             time.sleep(poll_seconds)
 

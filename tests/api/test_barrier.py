@@ -166,11 +166,13 @@ def test_a_flush_hook_that_raises_is_the_barriers_error_once():
 
     class SometimesCannotWrite:
         full = True
+        flushes = 0
 
         def __repr__(self):
             return "SometimesCannotWrite()"
 
         def flush(self):
+            self.flushes += 1
             if self.full:
                 raise OSError("the disk is full")
 
@@ -181,4 +183,6 @@ def test_a_flush_hook_that_raises_is_the_barriers_error_once():
         hcb.barrier_wait()
     assert "the disk is full" in str(caught.value)
     owner.full = False
+    flushes = owner.flushes
     hcb.barrier_wait()
+    assert owner.flushes == flushes + 1  # still flushed after it failed

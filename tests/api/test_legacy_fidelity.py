@@ -190,7 +190,7 @@ def test_automatic_fields_with_an_attribute_or_an_index_are_formatted(transport)
     ``str.format`` reads them."""
     out = io.StringIO()
     jax.jit(lambda x, y: hcb.id_print("{.real} {[1]}", x, y, output_stream=out))(
-        jnp.float32(1.5), jnp.arange(3))
+        jnp.complex64(1.5 + 2j), jnp.arange(3))
     hcb.barrier_wait()
     assert out.getvalue() == "1.5 1\n"
 

@@ -16,7 +16,7 @@ import pytest
 
 import hostcallback as hcb
 from helpers import ROOT, free_port, run_python
-from hostcallback.consumer import FileSink, tap_to
+from hostcallback.consumer import FileSink, file_sink, tap_to
 from hostcallback.consumer.__main__ import main as cli
 from hostcallback.consumer.storage import stream_parts
 from hostcallback.consumer.stream import TapRecord
@@ -48,7 +48,8 @@ def test_a_sink_at_a_url_writes_parts_that_read_back_in_order():
     _tap_steps(sink, range(20))
     hcb.barrier_wait()
     parts = stream_parts(url)
-    assert len(parts) > 2 and parts == sorted(parts)
+    assert len(parts) > 2
+    assert [part.rsplit("-", 1)[1] for part in parts] == [f"{n:06d}" for n in range(len(parts))]
     assert [r.step for r in read_stream(url)] == list(range(20))
     # Each part is a whole stream: readable alone, its records a run of the steps.
     first = [r.step for r in read_records(parts[0])]
@@ -79,16 +80,19 @@ def test_a_part_is_written_part_seconds_after_its_first_record_without_a_barrier
     del sink
 
 
-def test_process_and_host_placeholders_are_filled_in_at_the_first_record(tmp_path):
+def test_process_and_host_placeholders_are_filled_in_at_the_first_record(tmp_path,
+                                                                          monkeypatch):
     base = f"memory://hcb-{uuid.uuid4().hex}"
     at_url = FileSink(base + "/{host}/{process}.hcbs")
     local = FileSink(tmp_path / "{process}-{host}.hcbs")
-    assert not (tmp_path / f"0-{socket.gethostname()}.hcbs").exists()  # nothing opened yet
+    assert not list(tmp_path.iterdir())  # nothing opened yet
+    # The process index as jax.distributed.initialize, called after the sinks were made, sets it.
+    monkeypatch.setattr(file_sink, "process_index", lambda: 3)
     _tap_steps(at_url, [0])
     _tap_steps(local, [1])
     hcb.barrier_wait()
-    assert [r.step for r in read_stream(f"{base}/{socket.gethostname()}/0.hcbs")] == [0]
-    assert [r.step for r in read_stream(tmp_path / f"0-{socket.gethostname()}.hcbs")] == [1]
+    assert [r.step for r in read_stream(f"{base}/{socket.gethostname()}/3.hcbs")] == [0]
+    assert [r.step for r in read_stream(tmp_path / f"3-{socket.gethostname()}.hcbs")] == [1]
 
 
 def test_a_sink_started_again_on_a_url_adds_parts_after_the_last():
@@ -117,14 +121,15 @@ def _records(sink, process, steps):
 
 def test_a_glob_of_urls_reads_every_stream_merged_by_process_device_and_sequence():
     base = f"memory://hcb-{uuid.uuid4().hex}/run"
-    sinks = [FileSink(f"{base}/{process}.hcbs", part_bytes=300) for process in (0, 1)]
+    # Named so that the glob lists process 1's stream first: only the merge puts process 0 first.
+    sinks = [FileSink(f"{base}/{name}.hcbs", part_bytes=300) for name in ("b", "a")]
     for step in range(0, 10, 2):  # interleaved, as hosts write
         _records(sinks[1], 1, [step, step + 1])
         _records(sinks[0], 0, [step, step + 1])
     for sink in sinks:
         sink.close()
     streams = expand_streams([f"{base}/*.hcbs"])
-    assert [stream.rsplit("/", 1)[-1] for stream in streams] == ["0.hcbs", "1.hcbs"]
+    assert [stream.rsplit("/", 1)[-1] for stream in streams] == ["a.hcbs", "b.hcbs"]
     records = merged_records([f"{base}/*.hcbs"])
     assert [(r.process, r.step) for r in records] == \
         [(0, step) for step in range(10)] + [(1, step) for step in range(10)]
@@ -313,13 +318,13 @@ def test_two_processes_write_their_streams_to_s3_and_the_cli_merges_them(s3, cap
 
 
 def test_a_local_glob_names_each_stream_once_with_its_rotated_files(tmp_path):
-    for process in (0, 1):
-        sink = FileSink(tmp_path / f"{process}.hcbs", max_bytes=400)  # a few records a file
+    for process, name in ((0, "b"), (1, "a")):  # the glob lists process 1's stream first
+        sink = FileSink(tmp_path / f"{name}.hcbs", max_bytes=400)  # a few records a file
         _records(sink, process, range(6))
         sink.close()
-    assert (tmp_path / "0.hcbs.1").exists()
-    assert expand_streams([tmp_path / "*.hcbs"]) == [str(tmp_path / "0.hcbs"),
-                                                     str(tmp_path / "1.hcbs")]
+    assert (tmp_path / "b.hcbs.1").exists()
+    assert expand_streams([tmp_path / "*.hcbs"]) == [str(tmp_path / "a.hcbs"),
+                                                     str(tmp_path / "b.hcbs")]
     records = merged_records([str(tmp_path / "*.hcbs")])
     assert [(r.process, r.step) for r in records] == \
         [(0, step) for step in range(6)] + [(1, step) for step in range(6)]

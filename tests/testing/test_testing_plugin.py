@@ -75,14 +75,15 @@ JAX_SIGNATURES_ONLY = """
     """
 
 
-@pytest.mark.parametrize("function", [
-    "debug.callback(broken, x)",
-    "io_callback(lambda x: broken(x) or x, jax.ShapeDtypeStruct((), 'float32'), x)"])
-def test_a_session_that_uses_only_the_functions_with_jax_signatures_is_waited_for(
-        tmp_path, function):
-    result = run_sample(tmp_path, JAX_SIGNATURES_ONLY.replace("{function}", function))
+def test_a_session_that_uses_only_the_functions_with_jax_signatures_is_waited_for(tmp_path):
+    """hostcallback.debug imports neither api.py nor anything of id_tap's; the plugin's wait after
+    the test is what reports its callback's error (a failing io_callback or pure_callback fails
+    its computation by itself)."""
+    result = run_sample(tmp_path, JAX_SIGNATURES_ONLY.replace("{function}",
+                                                              "debug.callback(broken, x)"))
     assert "FAILED test_sample.py::test_a_broken_consumer" in result.stdout, result.stdout
     assert "PASSED test_sample.py::test_the_next_one" in result.stdout, result.stdout
+    assert "a tap consumer raised during the test" in result.stdout
     assert "callback broke on 7.0" in result.stdout
 
 

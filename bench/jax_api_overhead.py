@@ -1,5 +1,6 @@
 """What a callback costs the computation: JAX's jax.debug.callback, jax.debug.print and
-io_callback against hostcallback.debug.callback, hostcallback.debug.print and
+io_callback with JAX's lowering ("JAX") and served by hostcallback (the switch,
+serve_jax_callbacks: "served"), against hostcallback.debug.callback, hostcallback.debug.print and
 hostcallback.io_callback (native and callback transports), the same loop in one run.
 
 Workloads, each a fori_loop whose body calls back with its carry every step:
@@ -72,7 +73,19 @@ def body_for(variant: str, counter: Counter, shape: tuple):
     raise ValueError(variant)
 
 
+@contextlib.contextmanager
+def served():
+    """JAX's own callbacks served by hostcallback while the loop is compiled (and run)."""
+    hcb.serve_jax_callbacks()
+    try:
+        yield
+    finally:
+        hcb.serve_jax_callbacks(False)
+
+
 def transport_of(variant: str):
+    if variant.endswith("(served)"):
+        return served()
     for transport in ("native", "callback"):
         if variant.endswith(f"({transport})"):
             return hcb.config.override(transport=transport)
@@ -141,7 +154,8 @@ WORKLOADS = {
 
 
 def variants(apis: list[str]) -> list[str]:
-    return [f"{api} {who}" for api in apis for who in ("(JAX)", "(native)", "(callback)")]
+    return [f"{api} {who}" for api in apis
+            for who in ("(JAX)", "(served)", "(native)", "(callback)")]
 
 
 def main() -> None:

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
         taps_delivered,
     )
     from hostcallback.jax_callbacks import io_callback, pure_callback
+    from hostcallback.serving import serve_jax_callbacks, serving_jax_callbacks
 
 __version__ = "0.1.0"
 
@@ -66,6 +67,8 @@ __all__ = [
     "pure_callback",
     "queue_stats",
     "reset_peak_bytes_queued",
+    "serve_jax_callbacks",
+    "serving_jax_callbacks",
     "stop_outfeed_receiver",
     "taps_delivered",
 ]
@@ -75,6 +78,7 @@ _IMPORTED_ON_FIRST_USE = {
     **dict.fromkeys(("barrier_wait", "call", "id_print", "id_tap", "queue_stats",
                      "stop_outfeed_receiver", "taps_delivered"), "hostcallback.api"),
     **dict.fromkeys(("io_callback", "pure_callback"), "hostcallback.jax_callbacks"),
+    **dict.fromkeys(("serve_jax_callbacks", "serving_jax_callbacks"), "hostcallback.serving"),
     **dict.fromkeys(("RecordContext", "current_record"), "hostcallback._host.record_context"),
     "reset_peak_bytes_queued": "hostcallback._host.receiver",
 }

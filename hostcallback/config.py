@@ -88,6 +88,10 @@ class Settings:
     # How long interpreter exit waits for pending taps before giving up with a warning.
     exit_timeout_s: float = dataclasses.field(
         default_factory=lambda: _env_float("HOSTCALLBACK_EXIT_TIMEOUT", 60.0))
+    # JAX's own callbacks (jax.debug.callback and print, io_callback, pure_callback) served on
+    # hostcallback's transport in computations lowered from now on (serve_jax_callbacks).
+    jax_callbacks: bool = dataclasses.field(
+        default_factory=lambda: env_bool("HOSTCALLBACK_JAX_CALLBACKS", False))
 
 
 settings = Settings()

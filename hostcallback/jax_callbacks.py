@@ -21,7 +21,7 @@ import numpy as np
 from jax import tree_util
 
 from hostcallback import _jax as jx
-from hostcallback._host.printing import Printer, has_fields
+from hostcallback._host.printing import HostArray, Printer, has_fields
 from hostcallback._records.registry import DEBUG_CALLBACK_API, Consumer, EqualByKey
 from hostcallback.flavors import CallbackFlavor
 from hostcallback.lifecycle import lifecycle
@@ -162,32 +162,6 @@ class _Unbatching(EqualByKey):
                 merged.append(self.static[i] if i in self.static else next(values))
             args, kwargs = tree_util.tree_unflatten(self.in_tree, merged)
             self.target.apply(args, kwargs)
-
-
-class HostArray(np.ndarray):
-    """A tapped array as ``hostcallback.debug`` hands it over: a read-only numpy array (a view
-    of the record, no copy) that prints, formats and reprs as a CPU ``jax.Array`` does, so
-    ``print`` writes what ``jax.debug.print`` writes."""
-
-    def __repr__(self) -> str:
-        prefix, dtype = "Array(", f"dtype={self.dtype.name}"
-        value = self.view(np.ndarray)
-        if value.size == 0:
-            shown = f"[], shape={value.shape}"
-        else:
-            shown = np.array2string(value, prefix=prefix, suffix=",", separator=", ",
-                                    max_line_width=np.get_printoptions()["linewidth"])
-        last_line = len(shown) - shown.rfind("\n") + 1
-        separator = " " * len(prefix) if last_line + len(dtype) + 2 > \
-            np.get_printoptions()["linewidth"] else " "
-        return f"{prefix}{shown},{separator}{dtype})"
-
-    def __str__(self) -> str:
-        return str(self.view(np.ndarray))
-
-    def __format__(self, format_spec: str) -> str:
-        value = self.view(np.ndarray)
-        return format(value if value.ndim else value[()], format_spec)
 
 
 def _shown(leaf: np.ndarray, key_impl: str | None) -> Any:

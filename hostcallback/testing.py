@@ -30,6 +30,7 @@ import pytest
 
 WAIT_OPTION = "hostcallback_wait_after_each_test"
 TIMEOUT_OPTION = "hostcallback_wait_timeout"
+JAX_CALLBACKS_OPTION = "hostcallback_jax_callbacks"
 
 
 class TapRecords:
@@ -85,6 +86,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                        "until its taps are handled and fail the test if a consumer raised")
     parser.addini(TIMEOUT_OPTION, default="120",
                   help="hostcallback: seconds that wait may take before it fails the test")
+    parser.addini(JAX_CALLBACKS_OPTION, type="bool", default=False,
+                  help="hostcallback: serve JAX's own callbacks (jax.debug.print and callback, "
+                       "io_callback, pure_callback) on hostcallback's transport in the run")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -94,6 +98,10 @@ def pytest_configure(config: pytest.Config) -> None:
     except ValueError:
         raise pytest.UsageError(f"{TIMEOUT_OPTION} must be a number of seconds, got "
                                 f"{config.getini(TIMEOUT_OPTION)!r}") from None
+    if config.getini(JAX_CALLBACKS_OPTION):
+        from hostcallback.serving import serve_jax_callbacks
+
+        serve_jax_callbacks()
 
 
 def _pluggy_has_new_style_wrappers() -> bool:

@@ -5,7 +5,8 @@ id_print shows a value as a line of sorted ``key: value`` metadata, then the val
 with the given threshold, like the legacy host_callback.id_print. Transforms print as legacy did:
 a bare name when it has no parameters (``'transpose'``), else the pair (``('batch', {'batch_dims':
 (0,)})``). A format string (``jax.debug.print``'s habit) prints one formatted line instead.
-debug.print writes what ``jax.debug.print`` writes.
+debug.print writes what ``jax.debug.print`` writes: a tapped array shows as a ``HostArray``, which
+prints, formats and reprs as a jax.Array does.
 """
 
 from __future__ import annotations
@@ -145,3 +146,29 @@ class Printer(EqualByKey):
         stream = self.output_stream if self.output_stream is not None else sys.stdout
         stream.write(jax_print_line(self.fmt, self.jax_formats, args, kwargs,
                                     self.print_options) + "\n")
+
+
+class HostArray(np.ndarray):
+    """A tapped array as ``hostcallback.debug`` hands it over: a read-only numpy array (a view
+    of the record, no copy) that prints, formats and reprs as a CPU ``jax.Array`` does, so
+    ``print`` writes what ``jax.debug.print`` writes."""
+
+    def __repr__(self) -> str:
+        prefix, dtype = "Array(", f"dtype={self.dtype.name}"
+        value = self.view(np.ndarray)
+        if value.size == 0:
+            shown = f"[], shape={value.shape}"
+        else:
+            shown = np.array2string(value, prefix=prefix, suffix=",", separator=", ",
+                                    max_line_width=np.get_printoptions()["linewidth"])
+        last_line = len(shown) - shown.rfind("\n") + 1
+        separator = " " * len(prefix) if last_line + len(dtype) + 2 > \
+            np.get_printoptions()["linewidth"] else " "
+        return f"{prefix}{shown},{separator}{dtype})"
+
+    def __str__(self) -> str:
+        return str(self.view(np.ndarray))
+
+    def __format__(self, format_spec: str) -> str:
+        value = self.view(np.ndarray)
+        return format(value if value.ndim else value[()], format_spec)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
+import jax
 from jax import lax
 
 from hostcallback._jax.private import _dispatch, _mlir, effects, pe, pxla
@@ -103,3 +104,17 @@ def wrap_computation_lowering(transform: Callable) -> None:
 
     lower_transformed.hostcallback_wraps = lower
     pxla._cached_lowering_to_hlo = lower_transformed
+
+
+def add_to_effects_barrier(wait: Callable[[], None]) -> None:
+    """Has ``jax.effects_barrier()`` call ``wait()`` after JAX's own wait (once, however often
+    this is called)."""
+    jax_barrier = getattr(jax.effects_barrier, "hostcallback_wraps", jax.effects_barrier)
+
+    def effects_barrier() -> None:
+        jax_barrier()
+        wait()
+
+    effects_barrier.hostcallback_wraps = jax_barrier
+    effects_barrier.__doc__ = jax_barrier.__doc__
+    jax.effects_barrier = effects_barrier

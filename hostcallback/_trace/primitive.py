@@ -255,6 +255,12 @@ def _lowering(ctx, *args, platform, **params):
             what="call" if is_call else "tap", name=registry.get(consumer_id).name or "?"))
     emit = emitter_for(transport, platform)  # the transport, picked once for this tap
     axis_context = ctx.module_context.axis_context
+    if (ordered and registry.get(consumer_id).jax_api == DEBUG_CALLBACK_API
+            and sharded_lowering.num_devices(axis_context) > 1):
+        raise ValueError(
+            "The following ordered effects are not supported for more than 1 device: "
+            "[OrderedDebug]. An ordered jax.debug.callback or print runs on one device only, as "
+            "JAX's own does; leave out ordered=True, or tap with hostcallback.id_tap.")
     op_sharding = None
     if isinstance(axis_context, jx.SPMDAxisContext):
         if axis_context.manual_axes != frozenset(axis_context.mesh.axis_names):

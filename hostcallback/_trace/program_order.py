@@ -166,4 +166,21 @@ patches.wrap_lowering(lax.while_p, _keeping_finished_lanes)
 
 # ---- the one hook into JAX's lowering: each computation's jaxpr gets its scope -------------------
 
-patches.wrap_computation_lowering(scoped)
+# Rewrites a computation's jaxpr goes through before its scope (served_callbacks.py adds one).
+_rewrites: list = []
+
+
+def rewrite_before_scope(rewrite) -> None:
+    """Has ``rewrite(closed_jaxpr) -> closed_jaxpr`` applied to every computation before it is
+    scoped (once, however often this is called with it)."""
+    if rewrite not in _rewrites:
+        _rewrites.append(rewrite)
+
+
+def _rewritten_and_scoped(closed_jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
+    for rewrite in _rewrites:
+        closed_jaxpr = rewrite(closed_jaxpr)
+    return scoped(closed_jaxpr)
+
+
+patches.wrap_computation_lowering(_rewritten_and_scoped)

@@ -39,6 +39,15 @@ def local_ordinal(device) -> int:
 manual_sharding = jx.manual_sharding
 
 
+def num_devices(axis_context) -> int:
+    """How many devices run the computation being lowered (1 where it is not partitioned)."""
+    if isinstance(axis_context, jx.SPMDAxisContext):
+        return axis_context.mesh.size
+    if isinstance(axis_context, jx.ShardingContext):
+        return axis_context.num_devices
+    return getattr(getattr(axis_context, "axis_env", None), "nreps", 1)
+
+
 def check_device_index(device_index: int, num_devices: int) -> None:
     if not 0 <= device_index < num_devices:
         raise ValueError(

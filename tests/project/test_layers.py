@@ -21,7 +21,7 @@ LAYERS = [
     ("what both sides share", ["hostcallback._records"]),
     ("the two sides of a tap", ["hostcallback._trace", "hostcallback._host"]),
     ("start, barrier and stop", ["hostcallback.lifecycle"]),
-    ("building a tap", ["hostcallback.tapping"]),
+    ("building a tap", ["hostcallback.tapping", "hostcallback.served_callbacks"]),
     ("the public API", ["hostcallback.api", "hostcallback.addons", "hostcallback.testing",
                         "hostcallback.jax_callbacks", "hostcallback.debug", "hostcallback"]),
     ("add-ons", ["hostcallback.consumer"]),
@@ -103,9 +103,10 @@ def test_the_package_shows_its_sides_as_folders():
     top = {path.name for path in (ROOT / "hostcallback").iterdir()}
     assert {"_trace", "_host", "_records"} <= top
     loose = sorted(name for name in top if name.endswith(".py"))
-    assert loose == ["__init__.py", "__main__.py", "addons.py", "api.py", "config.py",
-                     "debug.py", "errors.py", "flavors.py", "jax_callbacks.py", "lifecycle.py",
-                     "tapping.py", "testing.py", "versions.py"]
+    assert loose == ["__init__.py", "__main__.py", "_startup.py", "addons.py", "api.py",
+                     "config.py", "debug.py", "errors.py", "flavors.py", "jax_callbacks.py",
+                     "lifecycle.py", "served_callbacks.py", "serving.py", "tapping.py",
+                     "testing.py", "versions.py"]
 
 
 def test_there_is_no_import_cycle():

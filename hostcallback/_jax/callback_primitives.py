@@ -1,0 +1,165 @@
+"""JAX's own callback primitives, for the switch that serves them on hostcallback's transport
+(hostcallback/served_callbacks.py).
+
+Per primitive: what kind of tap it becomes, and how one of its equations runs on the host as
+JAX's impl runs it: the arguments as jax.Arrays on a CPU device, the callback called with that
+device as the default (and, for a debug callback, no mesh in force), its exception logged on
+JAX's logger with JAX's words and raised. The runner is prepared once per equation; per record it
+only places the arrays (jaxlib's batched_device_put, a few microseconds, where jax.device_put
+takes 30). JAX 0.8 to 0.12 name and shape these alike; where a piece this relies on is missing,
+the runner calls JAX's impl itself (slower, the same result), and a primitive this JAX lacks is
+not served (its own lowering stays). ImportError here means none can be.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import callback as _callback
+from jax._src import core as _core
+from jax._src import debugging as _debugging
+from jax._src import mesh as _mesh
+from jax._src import sharding_impls as _sharding
+from jax._src.lib import xla_client as _xla_client
+
+Runner = Callable[[tuple], tuple]  # the record's numpy leaves -> the callback's results
+
+
+@dataclasses.dataclass(frozen=True)
+class JaxCallbackPrimitive:
+    """One of JAX's callback primitives, as the switch serves it."""
+
+    primitive: Any
+    kind: str  # "debug": a tap without results; "io" and "pure": a call with results
+    # (an equation's params, its operands' avals, what makes a leaf print as a jax.Array does)
+    # -> how to run its callback
+    prepare: Callable[[dict, tuple, Callable], Runner]
+
+
+# ---- arrays and context, as JAX's impls make them ------------------------------------------
+
+
+_PLACE_FAST = all(hasattr(_xla_client, name) for name in ("batched_device_put",
+                                                           "HostBufferSemantics"))
+_HAS_CONCRETE_MESH = hasattr(_sharding, "_internal_use_concrete_mesh")
+
+
+class _Placement:
+    """Where and how a record's leaves become jax.Arrays: the first CPU device, found on first
+    use (on the receiver thread, once JAX's backends are up), and the leaves' avals."""
+
+    def __init__(self, in_avals: tuple) -> None:
+        self.in_avals = tuple(_core.ShapedArray(a.shape, a.dtype) for a in in_avals)
+        self.device = self.sharding = None
+
+    def arrays(self, leaves: tuple) -> tuple:
+        """The record's read-only views as jax.Arrays of their own (copied: the record's memory
+        is reused once the consumer returns) on the device."""
+        if self.device is None:
+            self.device = jax.local_devices(backend="cpu")[0]
+            self.sharding = jax.sharding.SingleDeviceSharding(self.device)
+        if not _PLACE_FAST:
+            return tuple(jax.device_put(np.array(leaf), self.device) for leaf in leaves)
+        copy = _xla_client.HostBufferSemantics.IMMUTABLE_ONLY_DURING_CALL
+        return tuple(_xla_client.batched_device_put(aval, self.sharding, [leaf], [self.device],
+                                                    True, True, copy)
+                     for aval, leaf in zip(self.in_avals, leaves))
+
+
+def _run(callback: Callable, arrays: tuple, device, *, logger, failure: str,
+         debug: bool) -> Any:
+    """callback(*arrays) with ``device`` the default (and for a debug callback no mesh in
+    force), its exception logged as JAX logs it."""
+    with jax.default_device(device):
+        try:
+            if not debug:
+                return callback(*arrays)
+            with _mesh.use_abstract_mesh(_mesh.empty_abstract_mesh):
+                if not _HAS_CONCRETE_MESH:
+                    return callback(*arrays)
+                with _sharding._internal_use_concrete_mesh(_mesh.empty_concrete_mesh):
+                    return callback(*arrays)
+        except BaseException:
+            logger.exception(failure)
+            raise
+
+
+# ---- the four primitives -------------------------------------------------------------------
+
+
+def _prepare_debug_callback(params: dict, in_avals: tuple, printable: Callable) -> Runner:
+    del printable  # a callback gets jax.Arrays
+    callback, placement = params["callback"], _Placement(in_avals)
+
+    def run(leaves: tuple) -> tuple:
+        _run(callback, placement.arrays(leaves), placement.device, logger=_debugging.logger,
+             failure="jax.debug.callback failed", debug=True)
+        return ()
+    return run
+
+
+_PRINT_PARAMS = {"fmt", "ordered", "partitioned", "in_tree", "static_args", "np_printoptions",
+                 "has_placeholders", "logging_record"}
+_PRINT_PIECES = all(hasattr(_debugging, name) for name in ("_make_flat_callback",
+                                                           "_format_print_callback"))
+
+
+def _prepare_debug_print(params: dict, in_avals: tuple, printable: Callable) -> Runner:
+    """JAX's print formatting, built once per equation as debug_print_impl builds it per call,
+    given the leaves as ``printable`` makes them (views that print as jax.Arrays do: what is
+    printed is the same, without placing arrays on a device)."""
+    del in_avals  # nothing is placed on a device
+    if not (_PRINT_PIECES and set(params) == _PRINT_PARAMS):
+        return lambda leaves: (_debugging.debug_print_p.impl(*leaves, **params), ())[1]
+    callback = _debugging._make_flat_callback(params["in_tree"], functools.partial(
+        _debugging._format_print_callback, params["fmt"], dict(params["np_printoptions"]),
+        params["has_placeholders"], params["logging_record"]), params["static_args"])
+
+    def run(leaves: tuple) -> tuple:
+        try:
+            callback(*map(printable, leaves))
+        except BaseException:
+            _debugging.logger.exception("jax.debug.callback failed")
+            raise
+        return ()
+    return run
+
+
+def _prepare_call(api: str) -> Callable[[dict, tuple, Callable], Runner]:
+    def prepare(params: dict, in_avals: tuple, printable: Callable) -> Runner:
+        del printable  # a callback gets jax.Arrays
+        callback, placement = params["callback"], _Placement(in_avals)
+
+        def run(leaves: tuple) -> tuple:
+            results = _run(callback, placement.arrays(leaves), placement.device,
+                           logger=_callback.logger, failure=f"jax.{api} failed", debug=False)
+            return tuple(np.asarray(result) for result in jax.tree.leaves(results))
+        return run
+    return prepare
+
+
+def _found() -> tuple[JaxCallbackPrimitive, ...]:
+    candidates = ((_debugging, "debug_callback_p", "debug", _prepare_debug_callback),
+                  (_debugging, "debug_print_p", "debug", _prepare_debug_print),
+                  (_callback, "pure_callback_p", "pure", _prepare_call("pure_callback")),
+                  (_callback, "io_callback_p", "io", _prepare_call("io_callback")))
+    return tuple(JaxCallbackPrimitive(getattr(module, name), kind, prepare)
+                 for module, name, kind, prepare in candidates if hasattr(module, name))
+
+
+SERVED = _found()
+if not SERVED or not hasattr(_debugging, "logger") or not hasattr(_callback, "logger"):
+    raise ImportError("this JAX has none of the callback primitives hostcallback knows")
+
+# JAX's callback effects, by whether JAX orders them across computations.
+_effect_types = (("DebugEffect", False), ("OrderedDebugEffect", True))
+_io_effect_types = (("IOEffect", False), ("OrderedIOEffect", True))
+EFFECT_ORDERED: dict[type, bool] = {
+    getattr(module, name): ordered
+    for module, names in ((_debugging, _effect_types), (_callback, _io_effect_types))
+    for name, ordered in names if hasattr(module, name)}

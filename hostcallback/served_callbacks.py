@@ -1,0 +1,192 @@
+"""The switch: JAX's own callbacks (``jax.debug.callback``, ``jax.debug.print``,
+``io_callback``, ``pure_callback``) served on hostcallback's transport.
+
+JAX traces and transforms them with its own rules (batching, JVP, transpose, remat, DCE). Just
+before a computation is lowered, with the switch on (``config.settings.jax_callbacks``), each of
+their equations, at any depth, is replaced by our ``outside_call``: a tap for a debug callback
+or print, a call for an io or pure callback, whose consumer runs the callback as JAX's own
+lowering would (callback_primitives.py); and JAX's callback effects by ours (an unordered one by
+program order, an ordered one by ``ordered=True``). The computation then lowers as any tapped
+one: program order, results ready once its callbacks ran, the per-device and sharded forms. A
+computation with a callback we cannot serve as JAX would (an io or pure callback given a
+``sharding``, a value our records do not carry (sub-byte integers), or one lowered on a receiver
+thread, which would wait for itself) is left to JAX whole. The rewritten jaxpr is cached per
+jaxpr, so JAX's lowering cache still hits.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import jax
+from jax import tree_util
+
+from hostcallback import _jax as jx
+from hostcallback import config
+from hostcallback._host.printing import HostArray
+from hostcallback._host.record_context import current_record
+from hostcallback._jax import callback_primitives, patches
+from hostcallback._native import outfeed
+from hostcallback._records import wire
+from hostcallback._records.registry import DEBUG_CALLBACK_API, Consumer, EqualByKey, registry
+from hostcallback._trace import program_order, transport
+from hostcallback._trace.primitive import NO_SHARD_CALLBACK, outside_call_p
+from hostcallback._trace.program_order import ordered_tap_effect, program_order_effect
+from hostcallback.errors import UnsupportedDtypeError
+from hostcallback.flavors import CallbackFlavor
+from hostcallback.lifecycle import lifecycle
+
+_BY_PRIMITIVE = {served.primitive: served for served in callback_primitives.SERVED}
+_FLAVORS = {"debug": CallbackFlavor.DEBUG, "io": CallbackFlavor.IO_CALLBACK,
+            "pure": CallbackFlavor.PURE}
+_JAX_APIS = {"debug": DEBUG_CALLBACK_API, "io": "io_callback", "pure": "pure_callback"}
+
+
+def served(closed_jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
+    """``closed_jaxpr`` with JAX's callbacks served by us, while the switch is on; else itself."""
+    if not config.settings.jax_callbacks:
+        return closed_jaxpr
+    found = _served.get(closed_jaxpr)
+    if found is None:
+        found = closed_jaxpr
+        callbacks = [eqn for eqn in _equations(closed_jaxpr.jaxpr)
+                     if eqn.primitive in _BY_PRIMITIVE]
+        if callbacks and all(map(_servable, callbacks)):
+            lifecycle.ensure_started()
+            outfeed.watch_interrupts()
+            found = closed_jaxpr.replace(jaxpr=_rewritten(closed_jaxpr.jaxpr))
+        _served[closed_jaxpr] = found
+    return found
+
+
+_served: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _equations(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jx.jaxprs_in_params(eqn.params):
+            yield from _equations(sub)
+
+
+def _servable(eqn) -> bool:
+    return (eqn.params.get("sharding") is None and current_record() is None
+            and all(_travels(v.aval) for v in (*eqn.invars, *eqn.outvars)))
+
+
+def _travels(aval) -> bool:
+    """Whether our records carry values of this type (not: PRNG keys, sub-byte integers)."""
+    try:
+        wire.dtype_code(aval.dtype)
+    except (TypeError, UnsupportedDtypeError):
+        return False
+    return True
+
+
+# ---- the rewrite ---------------------------------------------------------------------------
+
+
+def _rewritten(jaxpr: jx.Jaxpr) -> jx.Jaxpr:
+    eqns = [_rewritten_equation(eqn) for eqn in jaxpr.eqns]
+    if all(new is old for new, old in zip(eqns, jaxpr.eqns)):
+        return jaxpr
+    return jaxpr.replace(eqns=eqns, effects=_our_effects(jaxpr.effects))
+
+
+def _rewritten_equation(eqn):
+    served_primitive = _BY_PRIMITIVE.get(eqn.primitive)
+    if served_primitive is not None:
+        return _as_outside_call(eqn, served_primitive)
+    params = {name: _rewritten_param(value) for name, value in eqn.params.items()}
+    if all(params[name] is value for name, value in eqn.params.items()):
+        return eqn
+    return eqn.replace(params=params, effects=_our_effects(eqn.effects))
+
+
+def _rewritten_param(value: Any) -> Any:
+    if isinstance(value, jx.ClosedJaxpr):
+        jaxpr = _rewritten(value.jaxpr)
+        return value if jaxpr is value.jaxpr else value.replace(jaxpr=jaxpr)
+    if isinstance(value, jx.Jaxpr):
+        return _rewritten(value)
+    if isinstance(value, (tuple, list)) and any(
+            isinstance(v, (jx.ClosedJaxpr, jx.Jaxpr, tuple, list)) for v in value):
+        values = [_rewritten_param(v) for v in value]
+        if all(new is old for new, old in zip(values, value)):
+            return value
+        return type(value)(values)
+    return value
+
+
+def _our_effects(effects) -> set:
+    """JAX's callback effects as ours: ordered across computations or in program order."""
+    ordered = callback_primitives.EFFECT_ORDERED
+    return {(ordered_tap_effect if ordered[type(e)] else program_order_effect)
+            if type(e) in ordered else e for e in effects}
+
+
+def _is_ordered(eqn) -> bool:
+    return any(callback_primitives.EFFECT_ORDERED.get(type(e), False) for e in eqn.effects)
+
+
+def _as_outside_call(eqn, served_primitive):
+    """The equation as our tap (debug) or call (io, pure), in JAX's effect's order."""
+    kind = served_primitive.kind
+    params = dict(eqn.params)
+    in_avals = [v.aval for v in eqn.invars]
+    runner = _RunAsJax(served_primitive, params, in_avals)
+    is_call = kind != "debug"
+    consumer = Consumer(
+        func=runner, treedef=tree_util.tree_structure(tuple(range(len(in_avals)))),
+        name=runner.name, jax_api=_JAX_APIS[kind], x64=bool(jax.config.jax_enable_x64),
+        result_treedef=(tree_util.tree_structure(tuple(range(len(eqn.outvars))))
+                        if is_call else None),
+        result_avals=tuple((v.aval.shape, v.aval.dtype) for v in eqn.outvars) if is_call else ())
+    ordered = _is_ordered(eqn)
+    flavor = _FLAVORS[kind]
+    effects = (jx.no_effects if flavor is CallbackFlavor.PURE
+               else {ordered_tap_effect if ordered else program_order_effect})
+    new_params = dict(
+        consumer_id=registry.register(consumer), transport=transport.default_transport(),
+        ordered=ordered, device_index=0, emit_device=outfeed.ALL_DEVICES,
+        result_avals=tuple(v.aval for v in eqn.outvars) if is_call else None, timeout_s=0.0,
+        flavor=flavor.value, vmap_method=params.get("vmap_method") if is_call else None,
+        partitioned=bool(params.get("partitioned", False)), replays="deliver",
+        shard_callback=NO_SHARD_CALLBACK)
+    # A tap returns its operands: outputs of its own that nothing reads.
+    outvars = list(eqn.outvars) if is_call else [jx.Var(aval) for aval in in_avals]
+    return eqn.replace(primitive=outside_call_p, params=new_params, outvars=outvars,
+                       effects=effects)
+
+
+def _printable(leaf):
+    return leaf.view(HostArray)
+
+
+class _RunAsJax(EqualByKey):
+    """A consumer that runs one equation's callback as JAX's impl does (callback_primitives.py):
+    taps get ``(leaves, transforms)``, calls ``leaves``; both return what the callback returns."""
+
+    __slots__ = ("name", "params", "primitive", "run")
+
+    def __init__(self, served_primitive, params: dict, in_avals: list) -> None:
+        self.primitive, self.params = served_primitive.primitive, params
+        self.run = served_primitive.prepare(params, tuple(in_avals), _printable)
+        callback = params.get("callback")
+        function = getattr(callback, "callback_func", callback)
+        self.name = getattr(function, "__name__", self.primitive.name)
+
+    def _key(self):
+        return (self.primitive, tuple(sorted(
+            (name, id(value)) for name, value in self.params.items())))
+
+    def __call__(self, leaves, transforms=None):
+        return self.run(leaves)
+
+
+# JAX decides whether a computation's lowering knows its devices before we rewrite it; ours
+# need them (a debug callback of JAX's does not).
+for _served_primitive in callback_primitives.SERVED:
+    patches.require_devices_during_lowering(_served_primitive.primitive)
+program_order.rewrite_before_scope(served)

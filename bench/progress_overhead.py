@@ -1,14 +1,16 @@
 """What a progress bar adds to a 100k-step fori_loop: ours against jax-tqdm and against no bar.
 
 One jitted ``lax.fori_loop`` of N steps over a scalar, run back to back in rounds, variants
-interleaved; the best of the rounds is reported (on a shared machine the median moves by more
-than what is measured). Variants: no bar; jax-tqdm's ``loop_tqdm``
-(its default update every N/20 steps); our ``loop_progress`` decorator (same calling convention,
-every N/20 steps); our ``progress_fori_loop`` (the loop in chunks, a tap between chunks) every N/20
-and N/100 steps. Every bar renders to memory (tqdm into a StringIO), so the terminal is not what
-is measured. Two times per variant: until the result is ready, and until the bar has seen the
-last step too (``ProgressSink.wait()`` for ours, ``jax.effects_barrier()`` for jax-tqdm). A last
-row shows what an ``hcb.barrier_wait()`` with nothing to wait for costs, for comparison.
+interleaved; the best of the rounds is reported (on a shared machine the median moves by more than
+what is measured). Variants: no bar; jax-tqdm's ``loop_tqdm`` (its default update every N/20
+steps), with JAX's lowering of its ``jax.debug.callback`` calls and served by hostcallback
+(compiled with ``serve_jax_callbacks()`` on, its code unchanged); our ``loop_progress`` decorator
+(same calling convention, every N/20 steps); our ``progress_fori_loop`` (the loop in chunks, a tap
+between chunks) every N/20 and N/100 steps. Every bar renders to memory (tqdm into a StringIO), so
+the terminal is not what is measured. Two times per variant: until the result is ready, and until
+the bar has seen the last step too (``ProgressSink.wait()`` for ours, ``jax.effects_barrier()`` for
+jax-tqdm). A last row shows what an ``hcb.barrier_wait()`` with nothing to wait for costs, for
+comparison.
 
 jax-tqdm is not a dependency of hostcallback: ``pip install jax-tqdm`` for its rows.
 
@@ -33,6 +35,10 @@ def body(i, x):
     return x * 0.9999 + jnp.sin(x + i) * 1e-3
 
 
+# The variants compiled with JAX's callbacks served by hostcallback (serve_jax_callbacks).
+SERVED = {"jax-tqdm loop_tqdm, every N/20, served"}
+
+
 def variants(n: int) -> dict[str, tuple]:
     """name -> (jitted loop, what waits for the bar)."""
     def bar():
@@ -42,9 +48,10 @@ def variants(n: int) -> dict[str, tuple]:
     try:
         from jax_tqdm import loop_tqdm
 
-        tqdm_body = loop_tqdm(n, file=io.StringIO())(body)
-        out["jax-tqdm loop_tqdm, every N/20"] = (
-            jax.jit(lambda x: lax.fori_loop(0, n, tqdm_body, x)), jax.effects_barrier)
+        for name in ("jax-tqdm loop_tqdm, every N/20", *SERVED):
+            tqdm_body = loop_tqdm(n, file=io.StringIO())(body)
+            out[name] = (jax.jit(lambda x, b=tqdm_body: lax.fori_loop(0, n, b, x)),
+                         jax.effects_barrier)
     except ImportError:
         print("jax-tqdm is not installed (pip install jax-tqdm): its rows are left out\n")
     ours = loop_progress(n, every=max(1, n // 20), sink=bar())(body)
@@ -72,10 +79,12 @@ def main(argv=None) -> dict[str, tuple[float, float]]:
     args = parser.parse_args(argv)
     loops = variants(args.steps)
     x0 = jnp.float32(0.5)
-    for loop, wait in loops.values():  # compile and warm up
+    for name, (loop, wait) in loops.items():  # compile and warm up
+        hcb.serve_jax_callbacks(name in SERVED)
         loop(x0).block_until_ready()
         if wait:
             wait()
+    hcb.serve_jax_callbacks(False)
     ready: dict[str, list[float]] = {name: [] for name in loops}
     done: dict[str, list[float]] = {name: [] for name in loops}
     for _ in range(args.rounds):
@@ -102,7 +111,7 @@ def main(argv=None) -> dict[str, tuple[float, float]]:
         print()
         added_tqdm = best[reference][1] - base_done
         for name, (_, d) in best.items():
-            if name.startswith("ours"):
+            if name.startswith("ours") or name in SERVED:
                 added = d - base_done
                 ratio = added_tqdm / added if added > 0 else float("inf")
                 print(f"jax-tqdm adds {ratio:6.1f}x the time of: {name}")

@@ -23,6 +23,7 @@ from jax import lax
 
 from hostcallback import _jax as jx
 from hostcallback._jax import patches
+from hostcallback._records.registry import BARRIER_MARKER_ID
 from hostcallback._trace import fence
 
 
@@ -83,7 +84,12 @@ def scoped(closed_jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
         return closed_jaxpr
     found = _scoped.get(closed_jaxpr)
     if found is None:
-        if jx.simplified_jaxpr_constants():
+        if _only_barrier_markers(closed_jaxpr.jaxpr):
+            # A barrier's marker computation: no fence, so that it never counts as a tapped
+            # computation a later barrier waits for (fence.py), nor waits for other taps itself.
+            found = (closed_jaxpr if jx.simplified_jaxpr_constants()
+                     else _wrap_in_scope(closed_jaxpr, fenced=False))
+        elif jx.simplified_jaxpr_constants():
             # JAX then counts the computation's hoisted constants from the jaxpr it was given
             # and again from the one it lowers, and a scope merges repeated ones: leave the
             # token to JAX (order kept, at the price of JAX's slower dispatch for tapped
@@ -93,6 +99,21 @@ def scoped(closed_jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
             found = _wrap_in_scope(closed_jaxpr)
         _scoped[closed_jaxpr] = found
     return found
+
+
+def _only_barrier_markers(jaxpr) -> bool:
+    """Whether every tap in jaxpr (at any depth) is a barrier's marker."""
+    consumers = set()
+
+    def collect(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            if "consumer_id" in eqn.params:
+                consumers.add(eqn.params["consumer_id"])
+            for sub in jx.jaxprs_in_params(eqn.params):
+                collect(getattr(sub, "jaxpr", sub))
+
+    collect(jaxpr)
+    return consumers == {BARRIER_MARKER_ID}
 
 
 def _between_begin_and_end(closed_jaxpr: jx.ClosedJaxpr,
@@ -112,8 +133,8 @@ def _between_begin_and_end(closed_jaxpr: jx.ClosedJaxpr,
                           closed_jaxpr.consts)
 
 
-def _wrap_in_scope(closed_jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
-    inner = _between_begin_and_end(closed_jaxpr, in_scope=True)
+def _wrap_in_scope(closed_jaxpr: jx.ClosedJaxpr, fenced: bool = True) -> jx.ClosedJaxpr:
+    inner = _between_begin_and_end(closed_jaxpr, in_scope=True) if fenced else closed_jaxpr
     outer_effects = closed_jaxpr.effects - {program_order_effect}
     invars = [jx.Var(v.aval) for v in closed_jaxpr.jaxpr.invars]
     outvars = [jx.Var(aval) for aval in closed_jaxpr.out_avals]

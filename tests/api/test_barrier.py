@@ -159,6 +159,21 @@ def test_queue_stats_count_barrier_markers_apart_from_records(transport):
                for s in stats.values())
 
 
+@pytest.mark.needs_internals("the computations' begin and fence")
+def test_a_barriers_markers_are_not_tapped_computations_a_later_barrier_follows(transport):
+    """A barrier follows the tapped computations that begin just after one ended (they may have
+    been dispatched before it); its own markers must not count, or every barrier would wait
+    out that window behind the one before."""
+    from hostcallback._native import outfeed
+
+    jax.jit(lambda x: hcb.id_tap(lambda a, t: None, x))(1)
+    hcb.barrier_wait()
+    begun = [outfeed.computations(d.id)["begun"] for d in jax.local_devices()]
+    hcb.barrier_wait()
+    hcb.barrier_wait()
+    assert [outfeed.computations(d.id)["begun"] for d in jax.local_devices()] == begun
+
+
 def test_a_flush_hook_that_raises_is_the_barriers_error_once():
     """A sink that could not write what it holds (its flush raised) says so at the barrier,
     as a consumer's error does; once it writes again, the barriers are clean."""

@@ -142,7 +142,10 @@ def _as_outside_call(eqn, served_primitive):
         name=runner.name, jax_api=_JAX_APIS[kind], x64=bool(jax.config.jax_enable_x64),
         result_treedef=(tree_util.tree_structure(tuple(range(len(eqn.outvars))))
                         if is_call else None),
-        result_avals=tuple((v.aval.shape, v.aval.dtype) for v in eqn.outvars) if is_call else ())
+        result_avals=tuple((v.aval.shape, v.aval.dtype) for v in eqn.outvars) if is_call else (),
+        # JAX fails the computation whose debug callback raised; so does our fence, where the
+        # computation has one (results ready once its taps were handled).
+        fails_computation=not is_call and config.settings.delivery != "async")
     ordered = _is_ordered(eqn)
     flavor = _FLAVORS[kind]
     effects = (jx.no_effects if flavor is CallbackFlavor.PURE
@@ -173,9 +176,8 @@ class _RunAsJax(EqualByKey):
     def __init__(self, served_primitive, params: dict, in_avals: list) -> None:
         self.primitive, self.params = served_primitive.primitive, params
         self.run = served_primitive.prepare(params, tuple(in_avals), _printable)
-        callback = params.get("callback")
-        function = getattr(callback, "callback_func", callback)
-        self.name = getattr(function, "__name__", self.primitive.name)
+        default = "jax.debug.print" if "fmt" in params else self.primitive.name
+        self.name = callback_primitives.callback_name(params, default)
 
     def _key(self):
         return (self.primitive, tuple(sorted(

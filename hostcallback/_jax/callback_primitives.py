@@ -143,6 +143,21 @@ def _prepare_call(api: str) -> Callable[[dict, tuple, Callable], Runner]:
     return prepare
 
 
+def callback_name(params: dict, default: str) -> str:
+    """The name of the user's function behind an equation's callback: io and pure callbacks hold
+    it in a _FlatCallback, a debug callback in the closure _make_flat_callback made."""
+    callback = params.get("callback")
+    function = getattr(callback, "callback_func", None)
+    if function is None and callable(callback):
+        cells = getattr(callback, "__closure__", None) or ()
+        names = getattr(getattr(callback, "__code__", None), "co_freevars", ())
+        try:
+            function = dict(zip(names, (cell.cell_contents for cell in cells))).get("callback")
+        except ValueError:  # an empty cell
+            function = None
+    return getattr(function, "__name__", None) or default
+
+
 def _found() -> tuple[JaxCallbackPrimitive, ...]:
     candidates = ((_debugging, "debug_callback_p", "debug", _prepare_debug_callback),
                   (_debugging, "debug_print_p", "debug", _prepare_debug_print),

@@ -34,7 +34,7 @@ uint64_t RunningComputations::Begin() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     id = next_id_++;
-    running_.insert(id);
+    running_.emplace(id, std::string());
   }
   t_running.emplace_back(this, id);
   return id;
@@ -48,7 +48,7 @@ bool RunningComputations::IsRunning(uint64_t id) {
 void RunningComputations::End(uint32_t id_low_bits) {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = running_.begin(); it != running_.end(); ++it) {
-    if (static_cast<uint32_t>(*it) == id_low_bits) {
+    if (static_cast<uint32_t>(it->first) == id_low_bits) {
       running_.erase(it);
       break;
     }
@@ -61,7 +61,7 @@ void RunningComputations::End(uint32_t id_low_bits) {
 size_t RunningComputations::Abandon(uint64_t before_id) {
   std::lock_guard<std::mutex> lock(mu_);
   size_t abandoned = 0;
-  while (!running_.empty() && *running_.begin() < before_id) {
+  while (!running_.empty() && running_.begin()->first < before_id) {
     running_.erase(running_.begin());
     abandoned += 1;
   }
@@ -72,13 +72,28 @@ ComputationsNow RunningComputations::Now() {
   std::lock_guard<std::mutex> lock(mu_);
   ComputationsNow now;
   now.begun = next_id_;
-  now.oldest_running = running_.empty() ? next_id_ : *running_.begin();
+  now.oldest_running = running_.empty() ? next_id_ : running_.begin()->first;
   now.running = running_.size();
   if (ended_any_) {
     now.seconds_since_end =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - last_end_).count();
   }
   return now;
+}
+
+void RunningComputations::FailRunning(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [id, failure] : running_) {
+    if (failure.empty()) failure = why;
+  }
+}
+
+std::string RunningComputations::FailureOf(uint32_t id_low_bits) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [id, failure] : running_) {
+    if (static_cast<uint32_t>(id) == id_low_bits) return failure;
+  }
+  return std::string();
 }
 
 void EndFailedOnThisThread() {

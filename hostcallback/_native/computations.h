@@ -8,8 +8,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <mutex>
-#include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -34,11 +35,16 @@ class RunningComputations {
   // none of our handlers saw); returns how many.
   size_t Abandon(uint64_t before_id);
   ComputationsNow Now();
+  // A tap whose failure fails its computation (a JAX debug callback served by hostcallback, as
+  // JAX fails the computation) failed: each computation running now keeps the first such reason.
+  void FailRunning(const std::string& why);
+  // The reason kept for the running computation whose id has these low 32 bits, or "".
+  std::string FailureOf(uint32_t id_low_bits);
 
  private:
   std::mutex mu_;
   uint64_t next_id_ = 0;
-  std::set<uint64_t> running_;
+  std::map<uint64_t, std::string> running_;  // id -> why it fails ("" while nothing failed it)
   std::chrono::steady_clock::time_point last_end_{};
   bool ended_any_ = false;
 };

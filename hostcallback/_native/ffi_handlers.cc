@@ -136,7 +136,11 @@ ffi::Error FenceImpl(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
           has_id = true;  // (the first uint32 operand; the weight follows it)
         }
         ffi::Error handled = AwaitTapsHandled(queue);
-        if (has_id) queue->computations.End(id);
+        if (!has_id) return handled;
+        // A tap that fails its computation (RunningComputations::FailRunning) failed meanwhile.
+        const std::string failure = queue->computations.FailureOf(id);
+        queue->computations.End(id);
+        if (handled.success() && !failure.empty()) return ffi::Error::Internal(failure);
         return handled;
       },
       /*ends_on_failure=*/false);

@@ -68,6 +68,9 @@ class Consumer:
     # name, which fails under transformations with JAX's own exceptions and messages;
     # DEBUG_CALLBACK_API: a tap of hostcallback.debug, transformed as JAX's debug callback is.
     jax_api: str = ""
+    # A tap whose failure fails its computation at its fence (a JAX debug callback served by
+    # hostcallback, compiled with a fence: JAX fails the computation), reported there only.
+    fails_computation: bool = False
 
     # A tap function's ``tap_batch`` method (hostcallback._host.batches), taken once; never a
     # call's.
@@ -157,7 +160,7 @@ class ConsumerRegistry:
                consumer.with_device, _freeze(consumer.metadata), consumer.name,
                consumer.result_treedef, consumer.result_avals,
                _freeze(consumer.per_device_transforms), consumer.key_impls, consumer.x64,
-               consumer.jax_api)
+               consumer.jax_api, consumer.fails_computation)
         with self._lock:
             found = self._by_key.get(key)
             if found is not None:

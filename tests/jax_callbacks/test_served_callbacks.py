@@ -286,21 +286,33 @@ def test_ordered_callbacks_under_pmap_are_refused_as_jax_refuses_them(served):
 # ---- errors --------------------------------------------------------------------------------
 
 
-def test_a_raising_debug_callback_is_logged_and_raised_at_effects_barrier(served, caplog):
-    def fails(v):
-        raise ValueError("no good")
+def fails(*args):
+    raise ValueError("no good")
 
-    jax.block_until_ready(jax.jit(lambda x: jax.debug.callback(fails, x))(X))
-    with caplog.at_level(logging.ERROR), pytest.raises(hcb.CallbackException) as raised:
+
+def test_a_raising_debug_callback_is_logged_and_fails_its_computation_as_jaxs_does(
+        served, caplog):
+    step = jax.jit(lambda x: (jax.debug.callback(fails, x), x + 1)[1])
+    with caplog.at_level(logging.ERROR), pytest.raises(
+            jax.errors.JaxRuntimeError, match="fails raised on cpu:0: ValueError: no good"):
+        step(X).block_until_ready()
+    assert "jax.debug.callback failed" in caplog.text  # JAX's own log line
+    jax.effects_barrier()  # reported by the computation it failed, as with JAX's lowering
+    ok = jax.jit(lambda x: (jax.debug.callback(lambda v: None, x), x + 1)[1])(X)
+    np.testing.assert_array_equal(ok, X + 1)  # the next computation is not failed by it
+
+
+def test_with_async_delivery_a_raising_debug_callback_is_raised_at_effects_barrier(served):
+    with hcb.config.override(delivery="async"):
+        step = jax.jit(lambda x: (jax.debug.callback(fails, x), x + 1)[1])
+        np.testing.assert_array_equal(step(X), X + 1)  # no end to fail: results were ready
+    with pytest.raises(hcb.CallbackException) as raised:
         jax.effects_barrier()
     assert isinstance(raised.value.__cause__, ValueError)
-    jax.effects_barrier()  # reported once
+    jax.effects_barrier()  # once
 
 
 def test_a_raising_io_callback_fails_its_computation(served):
-    def fails(v):
-        raise ValueError("no good")
-
     with pytest.raises(Exception, match="no good"):
         jax.jit(lambda x: io_callback(fails, jax.ShapeDtypeStruct(x.shape, x.dtype), x))(
             X).block_until_ready()

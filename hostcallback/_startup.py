@@ -12,6 +12,24 @@ import importlib.util
 import sys
 
 
+def _hostcallback_importing() -> bool:
+    """Whether a module of hostcallback is being imported now (it imported jax)."""
+    return any(getattr(getattr(module, "__spec__", None), "_initializing", False)
+               for name, module in list(sys.modules.items())
+               if name == "hostcallback" or name.startswith("hostcallback."))
+
+
+def _serve_now_or_at_next_lowering() -> None:
+    if not _hostcallback_importing():
+        _serve()
+        return
+    # Serving now would import hostcallback's modules half-way through their own import: it
+    # waits for the next lowering, by when they are all there.
+    from hostcallback import config
+
+    config.at_next_lowering.append(_serve)
+
+
 def _serve() -> None:
     try:
         from hostcallback.serving import serve_jax_callbacks
@@ -37,13 +55,13 @@ class _ServeOnceJaxIsImported(importlib.abc.MetaPathFinder):
 
         def run_then_serve(module) -> None:
             run_module(module)
-            _serve()
+            _serve_now_or_at_next_lowering()
 
         spec.loader.exec_module = run_then_serve
         return spec
 
 
 if "jax" in sys.modules:
-    _serve()
+    _serve_now_or_at_next_lowering()
 else:
     sys.meta_path.insert(0, _ServeOnceJaxIsImported())

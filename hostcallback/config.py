@@ -96,6 +96,11 @@ class Settings:
 
 settings = Settings()
 
+# Work for the next lowering of a computation, when hostcallback's modules are all imported:
+# turning the switch on for HOSTCALLBACK_JAX_CALLBACKS where jax was first imported by
+# hostcallback itself, half-way through its own imports (_startup.py).
+at_next_lowering: list = []
+
 
 def configure(*, transport: str | None = None, ordered: bool | None = None,
               max_queue_bytes: int | None = None, exit_timeout_s: float | None = None,

@@ -43,16 +43,18 @@ _FLAVORS = {"debug": CallbackFlavor.DEBUG, "io": CallbackFlavor.IO_CALLBACK,
 _JAX_APIS = {"debug": DEBUG_CALLBACK_API, "io": "io_callback", "pure": "pure_callback"}
 
 
-def served(closed_jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
-    """``closed_jaxpr`` with JAX's callbacks served by us, while the switch is on; else itself."""
-    if not config.settings.jax_callbacks:
+def served(closed_jaxpr: jx.ClosedJaxpr, platform: str | None) -> jx.ClosedJaxpr:
+    """``closed_jaxpr`` with JAX's callbacks served by us, while the switch is on and where we
+    are native (``platform``); else itself."""
+    if (not config.settings.jax_callbacks or platform not in transport.NATIVE_PLATFORMS
+            or current_record() is not None):  # on a receiver thread it would wait for itself
         return closed_jaxpr
     found = _served.get(closed_jaxpr)
     if found is None:
         found = closed_jaxpr
-        callbacks = [eqn for eqn in _equations(closed_jaxpr.jaxpr)
+        callbacks = [(eqn, partly_manual) for eqn, partly_manual in _equations(closed_jaxpr.jaxpr)
                      if eqn.primitive in _BY_PRIMITIVE]
-        if callbacks and all(map(_servable, callbacks)):
+        if callbacks and all(_servable(eqn, partly_manual) for eqn, partly_manual in callbacks):
             lifecycle.ensure_started()
             outfeed.watch_interrupts()
             found = closed_jaxpr.replace(jaxpr=_rewritten(closed_jaxpr.jaxpr))
@@ -60,18 +62,27 @@ def served(closed_jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
     return found
 
 
+# Per jaxpr, its served form (for the native platforms, the only ones served).
 _served: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _equations(jaxpr):
+def _equations(jaxpr, manual: frozenset = frozenset(), mesh_axes: frozenset = frozenset()):
+    """Every equation at any depth, with whether it sits in a shard_map that leaves some of its
+    mesh's axes automatic (JAX gathers and calls back on one device there; we do not serve it)."""
     for eqn in jaxpr.eqns:
-        yield eqn
+        inner_manual, inner_axes = manual, mesh_axes
+        if "mesh" in eqn.params and ("manual_axes" in eqn.params
+                                     or "newly_manual_axes" in eqn.params):  # a shard_map
+            newly = eqn.params.get("newly_manual_axes", eqn.params.get("manual_axes"))
+            inner_manual = manual | frozenset(newly)
+            inner_axes = frozenset(eqn.params["mesh"].axis_names)
+        yield eqn, bool(manual) and manual != mesh_axes
         for sub in jx.jaxprs_in_params(eqn.params):
-            yield from _equations(sub)
+            yield from _equations(getattr(sub, "jaxpr", sub), inner_manual, inner_axes)
 
 
-def _servable(eqn) -> bool:
-    return (eqn.params.get("sharding") is None and current_record() is None
+def _servable(eqn, partly_manual: bool) -> bool:
+    return (not partly_manual and eqn.params.get("sharding") is None
             and all(_travels(v.aval) for v in (*eqn.invars, *eqn.outvars)))
 
 
@@ -163,6 +174,26 @@ def _as_outside_call(eqn, served_primitive):
                        effects=effects)
 
 
+def _stable(value: Any, nested: bool = False) -> Any:
+    """A hashable stand-in for an equation's param that is equal across retraces: the closure
+    JAX flattens a debug callback's arguments with (made anew on every trace) by its code and
+    what it holds; a tuple by its items; anything else itself, or where unhashable (a list,
+    which may change) its id, kept alive by the registry, which holds the consumer."""
+    closure = None if nested else getattr(value, "__closure__", None)
+    if closure:
+        try:
+            return (value.__code__, tuple(_stable(cell.cell_contents, True) for cell in closure))
+        except ValueError:  # an empty cell
+            return ("id", id(value))
+    if isinstance(value, tuple):
+        return tuple(_stable(v, True) for v in value)
+    try:
+        hash(value)
+    except TypeError:
+        return ("id", id(value))
+    return value
+
+
 def _printable(leaf):
     return leaf.view(HostArray)
 
@@ -171,24 +202,34 @@ class _RunAsJax(EqualByKey):
     """A consumer that runs one equation's callback as JAX's impl does (callback_primitives.py):
     taps get ``(leaves, transforms)``, calls ``leaves``; both return what the callback returns."""
 
-    __slots__ = ("name", "params", "primitive", "run")
+    __slots__ = ("in_avals", "name", "params", "primitive", "run")
 
     def __init__(self, served_primitive, params: dict, in_avals: list) -> None:
         self.primitive, self.params = served_primitive.primitive, params
-        self.run = served_primitive.prepare(params, tuple(in_avals), _printable)
+        self.in_avals = tuple(in_avals)
+        self.run = served_primitive.prepare(params, self.in_avals, _printable)
         default = "jax.debug.print" if "fmt" in params else self.primitive.name
         self.name = callback_primitives.callback_name(params, default)
 
     def _key(self):
-        return (self.primitive, tuple(sorted(
-            (name, id(value)) for name, value in self.params.items())))
+        # Equal for the same callback retraced, so that retracing reuses the consumer's id.
+        return (self.primitive, self.in_avals,
+                tuple(sorted((name, _stable(value)) for name, value in self.params.items())))
 
     def __call__(self, leaves, transforms=None):
         return self.run(leaves)
 
 
 # JAX decides whether a computation's lowering knows its devices before we rewrite it; ours
-# need them (a debug callback of JAX's does not).
-for _served_primitive in callback_primitives.SERVED:
-    patches.require_devices_during_lowering(_served_primitive.primitive)
+# need them, where JAX's own lowering of a debug callback does not.
+_NEED_DEVICES_WHEN_SERVED = [p.primitive for p in callback_primitives.SERVED
+                             if not patches.requires_devices_during_lowering(p.primitive)]
+
+
+def require_devices(serving: bool) -> None:
+    """While the switch is on, lowerings of JAX's debug callbacks know their devices."""
+    for primitive in _NEED_DEVICES_WHEN_SERVED:
+        patches.require_devices_during_lowering(primitive, serving)
+
+
 program_order.rewrite_before_scope(served)

@@ -19,17 +19,24 @@ from hostcallback import _jax, config
 __all__ = ["serve_jax_callbacks", "serving_jax_callbacks"]
 
 
+_installed = False  # the rewrite and the effects_barrier wrapper are in place
+
+
 def serve_jax_callbacks(enabled: bool = True) -> None:
     """Serves JAX's own callbacks on hostcallback's transport in computations lowered from now
     on (``enabled=False``: JAX's own lowering again, from now on)."""
     if enabled:
         _install()
     config.settings.jax_callbacks = bool(enabled)
+    if _installed:
+        from hostcallback import served_callbacks
+
+        served_callbacks.require_devices(bool(enabled))
 
 
 def serving_jax_callbacks() -> bool:
     """Whether computations lowered now have JAX's callbacks served by hostcallback."""
-    return config.settings.jax_callbacks
+    return config.settings.jax_callbacks and _installed
 
 
 def _install() -> None:
@@ -41,7 +48,18 @@ def _install() -> None:
             "to hostcallback's) to have them on hostcallback's transport there.")
     from hostcallback import served_callbacks  # noqa: F401 - adds its rewrite
     from hostcallback._jax import patches
-    from hostcallback.lifecycle import lifecycle
 
     # Also once the switch is off again: callbacks served before still run on our receivers.
-    patches.add_to_effects_barrier(lifecycle.barrier_wait)
+    patches.add_to_effects_barrier(_wait_for_served_callbacks)
+    global _installed
+    _installed = True
+
+
+def _wait_for_served_callbacks() -> None:
+    """What jax.effects_barrier() adds: a barrier, except where JAX's own would not refuse and
+    ours would (inside a callback, on its receiver thread; while tracing)."""
+    from hostcallback._host.record_context import current_record
+    from hostcallback.lifecycle import lifecycle
+
+    if current_record() is None and not _jax.is_tracing():
+        lifecycle.barrier_wait()

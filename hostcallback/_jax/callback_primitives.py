@@ -51,7 +51,8 @@ _HAS_CONCRETE_MESH = hasattr(_sharding, "_internal_use_concrete_mesh")
 
 class _Placement:
     """Where and how a record's leaves become jax.Arrays: the first CPU device, found on first
-    use (on the receiver thread, once JAX's backends are up), and the leaves' avals."""
+    use (on the receiver thread, once JAX's backends are up), and the operands' avals (made
+    once; a shard's differs)."""
 
     def __init__(self, in_avals: tuple) -> None:
         self.in_avals = tuple(_core.ShapedArray(a.shape, a.dtype) for a in in_avals)
@@ -66,9 +67,11 @@ class _Placement:
         if not _PLACE_FAST:
             return tuple(jax.device_put(np.array(leaf), self.device) for leaf in leaves)
         copy = _xla_client.HostBufferSemantics.IMMUTABLE_ONLY_DURING_CALL
-        return tuple(_xla_client.batched_device_put(aval, self.sharding, [leaf], [self.device],
-                                                    True, True, copy)
-                     for aval, leaf in zip(self.in_avals, leaves))
+        # A partitioned callback's record holds one shard, not the operand's global shape.
+        return tuple(_xla_client.batched_device_put(
+            aval if aval.shape == leaf.shape else _core.ShapedArray(leaf.shape, leaf.dtype),
+            self.sharding, [leaf], [self.device], True, True, copy)
+            for aval, leaf in zip(self.in_avals, leaves))
 
 
 def _run(callback: Callable, arrays: tuple, device, *, logger, failure: str,

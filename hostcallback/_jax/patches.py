@@ -27,9 +27,17 @@ def register_ordered_effect(effect_type: type) -> None:
         getattr(effects, name).add_type(effect_type)
 
 
-def require_devices_during_lowering(primitive) -> None:
-    """The primitive's lowering maps partitions to devices, so it needs the device assignment."""
-    _dispatch.prim_requires_devices_during_lowering.add(primitive)
+def require_devices_during_lowering(primitive, required: bool = True) -> None:
+    """The primitive's lowering maps partitions to devices, so it needs the device assignment
+    (``required=False``: no longer)."""
+    if required:
+        _dispatch.prim_requires_devices_during_lowering.add(primitive)
+    else:
+        _dispatch.prim_requires_devices_during_lowering.discard(primitive)
+
+
+def requires_devices_during_lowering(primitive) -> bool:
+    return primitive in _dispatch.prim_requires_devices_during_lowering
 
 
 # JAX 0.12 calls DCE rules as rule(used_outputs, live_inputs, eqn); earlier ones as
@@ -91,8 +99,10 @@ def wrap_lowering(primitive, make_rule: Callable[[Callable], Callable]) -> None:
 
 
 def wrap_computation_lowering(transform: Callable) -> None:
-    """Hands every closed jaxpr that JAX lowers as a whole computation to ``transform`` first.
-    Raises ImportError where JAX lowers computations through another entry point."""
+    """Hands every closed jaxpr that JAX lowers as a whole computation to
+    ``transform(closed_jaxpr, platform)`` first (``platform``: the backend's, "cpu" say; None
+    where the call does not say, or lowers for jax.export). Raises ImportError where JAX lowers
+    computations through another entry point."""
     lower = getattr(pxla, "_cached_lowering_to_hlo", None)
     if lower is None:
         raise ImportError("jax lowers computations through an entry point hostcallback does not "
@@ -100,7 +110,12 @@ def wrap_computation_lowering(transform: Callable) -> None:
     lower = getattr(lower, "hostcallback_wraps", lower)
 
     def lower_transformed(closed_jaxpr, *args, **kwargs):
-        return lower(transform(closed_jaxpr), *args, **kwargs)
+        # (closed_jaxpr, module_name, backend, ...) in every JAX from 0.8 to 0.12.
+        backend = args[1] if len(args) > 1 else kwargs.get("backend")
+        platform = getattr(backend, "platform", None)
+        if getattr(kwargs.get("lowering_parameters"), "for_export", False):
+            platform = None
+        return lower(transform(closed_jaxpr, platform), *args, **kwargs)
 
     lower_transformed.hostcallback_wraps = lower
     pxla._cached_lowering_to_hlo = lower_transformed

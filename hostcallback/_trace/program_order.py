@@ -22,6 +22,7 @@ import weakref
 from jax import lax
 
 from hostcallback import _jax as jx
+from hostcallback import config
 from hostcallback._jax import patches
 from hostcallback._records.registry import BARRIER_MARKER_ID
 from hostcallback._trace import fence
@@ -192,15 +193,18 @@ _rewrites: list = []
 
 
 def rewrite_before_scope(rewrite) -> None:
-    """Has ``rewrite(closed_jaxpr) -> closed_jaxpr`` applied to every computation before it is
-    scoped (once, however often this is called with it)."""
+    """Has ``rewrite(closed_jaxpr, platform) -> closed_jaxpr`` applied to every computation
+    before it is scoped (once, however often this is called with it); ``platform`` is the one
+    it is lowered for ("cpu", "cuda"), or None where JAX does not say."""
     if rewrite not in _rewrites:
         _rewrites.append(rewrite)
 
 
-def _rewritten_and_scoped(closed_jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
+def _rewritten_and_scoped(closed_jaxpr: jx.ClosedJaxpr, platform: str | None) -> jx.ClosedJaxpr:
+    while config.at_next_lowering:
+        config.at_next_lowering.pop(0)()
     for rewrite in _rewrites:
-        closed_jaxpr = rewrite(closed_jaxpr)
+        closed_jaxpr = rewrite(closed_jaxpr, platform)
     return scoped(closed_jaxpr)
 
 

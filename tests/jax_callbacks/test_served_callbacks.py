@@ -45,15 +45,25 @@ def plain(value):
     return value
 
 
+def on_a_receiver() -> bool:
+    return threading.current_thread().name.startswith("hostcallback-receiver")
+
+
 def calls_both_ways(make_program, *inputs):
     """What the callback got, call by call, with JAX's lowering and with the switch on; each
-    run with a fresh jit, so each is lowered with its own setting."""
+    run with a fresh jit, so each is lowered with its own setting. Each call's arrays are
+    checked to be usable jax.Arrays of the shape they claim, and each run to have taken its
+    path (ours: the receiver threads)."""
     received = []
     for on in (False, True):
-        calls = []
+        calls, threads = [], []
 
-        def record(*args, _calls=calls, **kwargs):
-            _calls.append(jax.tree.map(plain, (args, kwargs)))
+        def record(*args, _calls=calls, _threads=threads, **kwargs):
+            for leaf in jax.tree.leaves((args, kwargs)):
+                if isinstance(leaf, jax.Array):  # usable as JAX sees it: shape and data agree
+                    np.testing.assert_array_equal(np.asarray(leaf + 0), np.asarray(leaf))
+            _calls.append(jax.tree.map(lambda v: (plain(v), np.shape(v)), (args, kwargs)))
+            _threads.append(on_a_receiver())
 
         serve_jax_callbacks(on)
         try:
@@ -61,6 +71,7 @@ def calls_both_ways(make_program, *inputs):
             jax.effects_barrier()
         finally:
             serve_jax_callbacks(False)
+        assert threads == [on] * len(threads), "a run did not take the path it was meant to"
         received.append(calls)
     return received
 
@@ -277,10 +288,23 @@ def test_under_pmap_and_shard_map_each_device_calls_with_its_own_values():
         jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("i"))), any_order=True)
 
 
-def test_ordered_callbacks_under_pmap_are_refused_as_jax_refuses_them(served):
-    with pytest.raises(ValueError, match="ordered effects"):
-        jax.pmap(lambda v: jax.debug.callback(lambda a: None, v, ordered=True))(
-            jnp.arange(4.0))
+def test_ordered_callbacks_on_several_devices_are_refused_as_jax_refuses_them(served):
+    """JAX refuses them when it lowers the computation; served, our lowering does, with JAX's
+    words and ours."""
+    mesh = jax.make_mesh((4,), ("i",))
+    x = jax.device_put(jnp.arange(4.0), NamedSharding(mesh, P("i")))
+    for program, value in (
+            (jax.pmap(lambda v: jax.debug.callback(lambda a: None, v, ordered=True)),
+             jnp.arange(4.0)),
+            (jax.jit(lambda v: jax.debug.callback(lambda a: None, v, ordered=True)), x)):
+        with pytest.raises(ValueError, match="ordered effects are not supported for more than 1 "
+                                             "device.*runs on one device only"):
+            program(value)
+
+
+def test_hostcallback_debugs_ordered_callbacks_on_several_devices_are_refused_too():
+    with pytest.raises(ValueError, match="runs on one device only"):
+        jax.pmap(lambda v: hcb.debug.callback(lambda a: None, v, ordered=True))(jnp.arange(4.0))
 
 
 # ---- errors --------------------------------------------------------------------------------
@@ -321,6 +345,51 @@ def test_a_raising_io_callback_fails_its_computation(served):
     np.testing.assert_array_equal(out, X)  # the receivers go on
 
 
+def test_a_callback_in_a_partly_manual_shard_map_is_left_to_jax(served):
+    mesh = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    seen = []
+
+    def program(x):
+        return jax.shard_map(lambda v: (jax.debug.callback(lambda a: seen.append(np.asarray(a)),
+                                                           v), v * 2)[1],
+                             mesh=mesh, in_specs=P("a"), out_specs=P("a"), axis_names={"a"})(x)
+
+    x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("a")))
+    text = lowered_text(program, x)
+    assert JAX_TARGET in text and not any(t in text for t in OUR_TARGETS)
+    np.testing.assert_array_equal(jax.jit(program)(x), np.arange(8.0) * 2)
+    jax.effects_barrier()
+    assert seen
+
+
+def test_a_callback_of_a_sub_byte_value_is_left_to_jax(served):
+    text = lowered_text(lambda x: jax.debug.callback(lambda v: None, x.astype(jnp.int4)), X)
+    assert JAX_TARGET in text and not any(t in text for t in OUR_TARGETS)
+
+
+def test_effects_barrier_still_waits_for_callbacks_served_before_the_switch_went_off():
+    seen = []
+    heavy = jnp.ones((300, 300))
+
+    def body(i, c):
+        c = jnp.tanh(heavy @ c)
+        jax.debug.callback(lambda i: seen.append(int(i)), i)
+        return c
+
+    run = jax.jit(lambda c: jax.lax.fori_loop(0, 10, body, c))
+    serve_jax_callbacks()
+    try:  # compiled served, its results ready before its callbacks ran: the barrier must wait
+        with hcb.config.override(delivery="async"):
+            run(heavy).block_until_ready()
+    finally:
+        serve_jax_callbacks(False)
+    jax.effects_barrier()
+    seen.clear()
+    run(heavy)  # still running when the barrier is called
+    jax.effects_barrier()
+    assert seen == list(range(10))
+
+
 def test_a_callback_with_a_sharding_is_left_to_jax(served):
     device = jax.devices()[0]
     text = lowered_text(lambda x: io_callback(
@@ -341,15 +410,31 @@ print("served" if "hostcallback_tap" in text else "jax's")
 """
 
 
-@pytest.mark.skipif(not (Path(hcb.__file__).parent.parent / "hostcallback_jax_callbacks.pth")
-                    .is_file(), reason="the environment variable takes effect through the "
-                    "installed package's .pth file, and this hostcallback is not installed")
+needs_the_installed_pth = pytest.mark.skipif(
+    not (Path(hcb.__file__).parent.parent / "hostcallback_jax_callbacks.pth").is_file(),
+    reason="the environment variable takes effect through the installed package's .pth file, "
+           "and this hostcallback is not installed")
+
+
+@needs_the_installed_pth
 def test_the_environment_variable_serves_a_program_that_never_imports_hostcallback():
     served_run = run_python(PROGRAM, devices=1, env={"HOSTCALLBACK_JAX_CALLBACKS": "1"})
     plain_run = run_python(PROGRAM, devices=1)
     assert served_run.returncode == 0, served_run.stderr[-2000:]
     assert served_run.stdout.splitlines() == ["x=[0 1 2]", "served"]
     assert plain_run.stdout.splitlines() == ["x=[0 1 2]", "jax's"]
+
+
+@needs_the_installed_pth
+@pytest.mark.parametrize("first", ["import hostcallback as hcb; hcb.id_tap",
+                                   "import hostcallback.api", "import hostcallback.debug"])
+def test_the_environment_variable_serves_a_program_that_imports_hostcallback_first(first):
+    result = run_python(first + "\n" + PROGRAM + "import hostcallback as hcb\n"
+                        "print(hcb.serving_jax_callbacks())\n",
+                        devices=1, env={"HOSTCALLBACK_JAX_CALLBACKS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines() == ["x=[0 1 2]", "served", "True"]
+    assert "keep JAX's own lowering" not in result.stderr
 
 
 def test_the_pytest_option_serves_the_test_run(tmp_path):
@@ -386,3 +471,20 @@ def test_large_arguments_on_several_devices_do_not_hang(served):
                                           v))(x)
     jax.effects_barrier()
     assert seen == [float(1 << 18)] * 4
+
+
+def test_an_exported_function_keeps_jaxs_lowering_and_its_refusal(served):
+    """jax.export gets what it gets without the switch: JAX's own answer for its callbacks."""
+    def program(x):
+        jax.debug.print("{}", x)
+        return x
+
+    results = []
+    for on in (False, True):
+        serve_jax_callbacks(on)
+        try:
+            results.append(jax.export.export(jax.jit(program))(X).mlir_module())
+        except Exception as error:  # noqa: BLE001 - JAX's own refusal, whatever its type
+            results.append(type(error).__name__ + str(error)[:60])
+    assert results[1] == results[0]
+    assert "hostcallback" not in results[1]

@@ -3,37 +3,43 @@
 ``jax.pure_callback`` and ``jax.experimental.io_callback`` (public as ``hostcallback.pure_callback``
 and ``hostcallback.io_callback``).
 
-Change ``jax.debug`` to ``hostcallback.debug`` and the code stays as it is: the same arguments,
-the same calls of the callback (once per batch element under vmap, primal values only under
-jvp and grad, each device's shard with ``partitioned=True``), the same printed text. What
-differs is where the callback runs: on the device's receiver thread, after the device went on,
-instead of on the device's own thread while it waits (the migration guide says what differs).
+Change ``jax.debug`` to ``hostcallback.debug`` and the code stays as it is. ``debug.callback``
+and ``debug.print`` bind JAX's own ``jax.debug.callback``, so JAX's rules transform them and
+JAX's semantics hold, marked (``OnHost``) so that hostcallback serves them where it is native
+(served_callbacks.py): the callback runs on the device's receiver thread, after the device went
+on, with read-only numpy arrays that print as jax.Arrays do (``HostArray``), instead of on the
+device's own thread while it waits (the migration guide says what differs).
 ``effects_barrier()`` waits for them as ``jax.effects_barrier()`` waits for JAX's own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
-from jax import tree_util
 
 from hostcallback import _jax as jx
+from hostcallback._host import reentry
 from hostcallback._host.printing import HostArray, Printer, has_fields
-from hostcallback._records.registry import DEBUG_CALLBACK_API, Consumer, EqualByKey
+from hostcallback.errors import name_of
 from hostcallback.flavors import CallbackFlavor
 from hostcallback.lifecycle import lifecycle
 from hostcallback.tapping import (
     CallWithArgs,
     FormatCheck,
+    OnHost,
     bind_call,
-    bind_tap,
     check_arity,
-    flatten,
-    tap_only_params,
 )
+
+if not jx.PORTABLE:  # serves what OnHost marks (the portable mode leaves them to JAX)
+    from hostcallback import served_callbacks  # noqa: F401
+
+# JAX's own, as they are now: a program may put ours in their place (jax.debug.callback = ...).
+_jax_debug_callback = jax.debug.callback
+_jax_effects_barrier = getattr(jax.effects_barrier, "hostcallback_wraps", jax.effects_barrier)
 
 __all__ = ["HostArray", "callback", "effects_barrier", "io_callback", "print", "pure_callback"]
 
@@ -88,9 +94,15 @@ def print(fmt: str | None = None, *args: Any, ordered: bool = False,  # noqa: A0
 
 def effects_barrier() -> None:
     """Waits until every callback and print dispatched so far has run, as
-    ``jax.effects_barrier()`` does for JAX's own; a callback that raised is raised here as
-    CallbackException. (``barrier_wait()`` does the same; JAX's own callbacks need
-    ``jax.effects_barrier()``.)"""
+    ``jax.effects_barrier()`` does for JAX's own (those JAX lowers itself: in the portable mode,
+    or where hostcallback is not native); a callback that raised where its computation went on
+    is raised here as CallbackException (before what JAX's wait raised, which may be the same
+    failure as the computation saw it)."""
+    try:
+        _jax_effects_barrier()
+    except jax.errors.JaxRuntimeError as error:
+        lifecycle.barrier_wait()
+        raise error
     lifecycle.barrier_wait()
 
 
@@ -99,8 +111,8 @@ def _debug_callback(callback: Callable[..., None], args: tuple, kwargs: dict, or
     if not callable(callback):
         raise TypeError("first argument to jax.debug.callback must be callable, but got an "
                         f"object of type {type(callback)}")
-    _tap_arguments(_Unbatching(CallWithArgs(callback)), args, kwargs, ordered, partitioned,
-                   name=getattr(callback, "__name__", "debug.callback"))
+    _through_jax(CallWithArgs(callback), args, kwargs, ordered, partitioned,
+                 name=name_of(callback))
 
 
 def _debug_print(fmt: str, args: tuple, kwargs: dict, ordered: bool, partitioned: bool,
@@ -109,91 +121,16 @@ def _debug_print(fmt: str, args: tuple, kwargs: dict, ordered: bool, partitioned
         FormatCheck("jax.debug.print", jax_rules=True).check(fmt, args, kwargs)
     printer = Printer(fmt, print_options=tuple(np.get_printoptions().items()),
                       jax_formats=has_fields(fmt))
-    _tap_arguments(_Unbatching(printer), args, kwargs, ordered, partitioned, name="debug.print")
+    _through_jax(printer, args, kwargs, ordered, partitioned, name="debug.print")
 
 
-def _tap_arguments(function: _Unbatching, args: tuple, kwargs: dict, ordered: bool,
-                   partitioned: bool, name: str) -> None:
-    """Taps the arguments' array leaves; the others travel with the consumer, as JAX keeps
-    them out of the computation."""
-    leaves, in_tree = tree_util.tree_flatten((args, kwargs))
-    static = {i: leaf for i, leaf in enumerate(leaves) if not _is_array_like(leaf)}
-    dynamic = [leaf for i, leaf in enumerate(leaves) if i not in static]
-    flat, treedef, key_impls = flatten(tuple(dynamic))
-    # Key arrays travel as their key data and become keys again per batch element.
-    function.bind_layout(in_tree, static, key_impls)
-    consumer = Consumer(func=function, treedef=treedef, name=name, jax_api=DEBUG_CALLBACK_API)
-    bind_tap(consumer, flat, 0, bool(ordered), CallbackFlavor.DEBUG,
-             **tap_only_params(partitioned, "deliver"))
-
-
-def _is_array_like(leaf: Any) -> bool:
-    """What JAX stages as an operand: anything it can give an abstract value."""
-    try:
-        jax.typeof(leaf)
-    except (TypeError, AssertionError):
-        return False
-    return True
-
-
-class _Unbatching(EqualByKey):
-    """A tap function that hands ``target.apply(args, kwargs)`` each element of every batch the
-    values carry (vmap), in JAX's order, with the static leaves put back in place; the target is
-    the callback (CallWithArgs) or the printer."""
-
-    __slots__ = ("in_tree", "key_impls", "static", "target")
-
-    def __init__(self, target: CallWithArgs | Printer) -> None:
-        self.target = target
-
-    def bind_layout(self, in_tree, static: dict[int, Any], key_impls: tuple) -> None:
-        self.in_tree, self.static, self.key_impls = in_tree, static, key_impls
-
-    def _key(self) -> tuple:
-        static = tuple((i, _hashable_or_id(v)) for i, v in self.static.items())
-        return (self.target, self.in_tree, static, self.key_impls)
-
-    def __call__(self, dynamic: tuple, transforms: tuple) -> None:
-        batches = [params["batch_dims"] for name, params in transforms if name == "batch"]
-        impls = self.key_impls or (None,) * len(dynamic)
-        for element in _unbatched(list(dynamic), batches):
-            merged, values = [], iter(map(_shown, element, impls))
-            for i in range(self.in_tree.num_leaves):
-                merged.append(self.static[i] if i in self.static else next(values))
-            args, kwargs = tree_util.tree_unflatten(self.in_tree, merged)
-            self.target.apply(args, kwargs)
-
-
-def _shown(leaf: np.ndarray, key_impl: str | None) -> Any:
-    """A tapped leaf as the callback gets it: a HostArray, or a key array again."""
-    if key_impl is not None:
-        return jax.random.wrap_key_data(np.ascontiguousarray(leaf), impl=key_impl)
-    return leaf.view(HostArray)
-
-
-def _unbatched(leaves: list, batches: list[tuple]) -> Iterator[list]:
-    """Each batch element's leaves, in the order JAX's debug callbacks are called under nested
-    vmaps: ``batches`` lists each vmap's batch axis per leaf (None: not batched), the innermost
-    vmap first; its elements are the outermost loop, the outermost vmap's the innermost."""
-    if not batches:
-        yield leaves
-        return
-    *inner, outer = batches
-    size = next((leaf.shape[d] for leaf, d in zip(leaves, outer) if d is not None), 1)
-    per_element = [list(_unbatched([leaf if d is None else leaf[(slice(None),) * d + (i, ...)]
-                                    for leaf, d in zip(leaves, outer)], inner))
-                   for i in range(size)]
-    for k in range(len(per_element[0]) if per_element else 0):
-        for element in per_element:
-            yield element[k]
-
-
-def _hashable_or_id(value: Any) -> Any:
-    try:
-        hash(value)
-    except TypeError:
-        return ("id", id(value))
-    return value
+def _through_jax(target: Any, args: tuple, kwargs: dict, ordered: bool, partitioned: bool,
+                 name: str) -> None:
+    """``target.apply(args, kwargs)`` as a ``jax.debug.callback`` of JAX's own, which JAX's rules
+    transform, marked (OnHost) so that its equations are served by hostcallback."""
+    reentry.refuse_inside_consumer("a debug callback")
+    _jax_debug_callback(OnHost(target, name), args, kwargs, ordered=bool(ordered),
+                        partitioned=bool(partitioned))
 
 
 def _checked_callback(api: str, callback: Any, sharding: Any, args: tuple,

@@ -1,17 +1,20 @@
-"""The switch: JAX's own callbacks (``jax.debug.callback``, ``jax.debug.print``,
-``io_callback``, ``pure_callback``) served on hostcallback's transport.
+"""JAX's own callbacks (``jax.debug.callback``, ``jax.debug.print``, ``io_callback``,
+``pure_callback``) served on hostcallback's transport: those of ``hostcallback.debug`` always, all
+of them while the switch is on (``config.settings.jax_callbacks``, serving.py).
 
 JAX traces and transforms them with its own rules (batching, JVP, transpose, remat, DCE). Just
-before a computation is lowered, with the switch on (``config.settings.jax_callbacks``), each of
-their equations, at any depth, is replaced by our ``outside_call``: a tap for a debug callback
-or print, a call for an io or pure callback, whose consumer runs the callback as JAX's own
-lowering would (callback_primitives.py); and JAX's callback effects by ours (an unordered one by
-program order, an ordered one by ``ordered=True``). The computation then lowers as any tapped
-one: program order, results ready once its callbacks ran, the per-device and sharded forms. A
-computation with a callback we cannot serve as JAX would (an io or pure callback given a
-``sharding``, a value our records do not carry (sub-byte integers), or one lowered on a receiver
-thread, which would wait for itself) is left to JAX whole. The rewritten jaxpr is cached per
-jaxpr, so JAX's lowering cache still hits.
+before a computation is lowered for a native platform, each of their equations that is to be
+served, at any depth, is replaced by our ``outside_call``: a tap for a debug callback or print, a
+call for an io or pure callback, whose consumer runs the callback as JAX's own lowering would
+(callback_primitives.py; ``hostcallback.debug``'s get read-only numpy views instead of
+jax.Arrays, ``OnHost``), and JAX's callback effects by ours (an unordered one by program order,
+an ordered one by ``ordered=True``) wherever they now stand for ours. The computation then lowers
+as any tapped one: program order, results ready once its callbacks ran, the per-device and
+sharded forms. A computation with a callback to serve that we cannot serve as JAX would (an io
+or pure callback given a ``sharding``, a value our records do not carry (sub-byte integers, PRNG
+keys), one in a shard_map that leaves some mesh axes automatic), or lowered on a receiver thread
+(it would wait for itself), is left to JAX whole. The rewritten jaxpr is cached per jaxpr, so
+JAX's lowering cache still hits.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from hostcallback._trace.program_order import ordered_tap_effect, program_order_
 from hostcallback.errors import UnsupportedDtypeError
 from hostcallback.flavors import CallbackFlavor
 from hostcallback.lifecycle import lifecycle
+from hostcallback.tapping import OnHost
 
 _BY_PRIMITIVE = {served.primitive: served for served in callback_primitives.SERVED}
 _FLAVORS = {"debug": CallbackFlavor.DEBUG, "io": CallbackFlavor.IO_CALLBACK,
@@ -44,26 +48,37 @@ _JAX_APIS = {"debug": DEBUG_CALLBACK_API, "io": "io_callback", "pure": "pure_cal
 
 
 def served(closed_jaxpr: jx.ClosedJaxpr, platform: str | None) -> jx.ClosedJaxpr:
-    """``closed_jaxpr`` with JAX's callbacks served by us, while the switch is on and where we
-    are native (``platform``); else itself."""
-    if (not config.settings.jax_callbacks or platform not in transport.NATIVE_PLATFORMS
-            or current_record() is not None):  # on a receiver thread it would wait for itself
-        return closed_jaxpr
-    found = _served.get(closed_jaxpr)
+    """``closed_jaxpr`` with the callbacks to serve served by us where we are native
+    (``platform``); else itself."""
+    if platform not in transport.NATIVE_PLATFORMS or current_record() is not None:
+        return closed_jaxpr  # (on a receiver thread, a tap would wait for itself)
+    serve_all = config.settings.jax_callbacks
+    cache = _served[serve_all]
+    found = cache.get(closed_jaxpr)
     if found is None:
         found = closed_jaxpr
+        chosen = _every_callback if serve_all else _from_hostcallback_debug
         callbacks = [(eqn, partly_manual) for eqn, partly_manual in _equations(closed_jaxpr.jaxpr)
-                     if eqn.primitive in _BY_PRIMITIVE]
+                     if eqn.primitive in _BY_PRIMITIVE and chosen(eqn)]
         if callbacks and all(_servable(eqn, partly_manual) for eqn, partly_manual in callbacks):
             lifecycle.ensure_started()
             outfeed.watch_interrupts()
-            found = closed_jaxpr.replace(jaxpr=_rewritten(closed_jaxpr.jaxpr))
-        _served[closed_jaxpr] = found
+            found = closed_jaxpr.replace(jaxpr=_rewritten(closed_jaxpr.jaxpr, chosen))
+        cache[closed_jaxpr] = found
     return found
 
 
-# Per jaxpr, its served form (for the native platforms, the only ones served).
-_served: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _every_callback(eqn) -> bool:
+    return True
+
+
+def _from_hostcallback_debug(eqn) -> bool:
+    return isinstance(callback_primitives.user_callback(eqn.params), OnHost)
+
+
+# Per jaxpr, its served form, with the switch off and on (for the native platforms, the only
+# ones served).
+_served = {False: weakref.WeakKeyDictionary(), True: weakref.WeakKeyDictionary()}
 
 
 def _equations(jaxpr, manual: frozenset = frozenset(), mesh_axes: frozenset = frozenset()):
@@ -98,43 +113,55 @@ def _travels(aval) -> bool:
 # ---- the rewrite ---------------------------------------------------------------------------
 
 
-def _rewritten(jaxpr: jx.Jaxpr) -> jx.Jaxpr:
-    eqns = [_rewritten_equation(eqn) for eqn in jaxpr.eqns]
+def _rewritten(jaxpr: jx.Jaxpr, chosen) -> jx.Jaxpr:
+    eqns = [_rewritten_equation(eqn, chosen) for eqn in jaxpr.eqns]
     if all(new is old for new, old in zip(eqns, jaxpr.eqns)):
         return jaxpr
-    return jaxpr.replace(eqns=eqns, effects=_our_effects(jaxpr.effects))
+    return jaxpr.replace(eqns=eqns, effects=_effects_now(jaxpr.effects, eqns))
 
 
-def _rewritten_equation(eqn):
+def _rewritten_equation(eqn, chosen):
     served_primitive = _BY_PRIMITIVE.get(eqn.primitive)
     if served_primitive is not None:
-        return _as_outside_call(eqn, served_primitive)
-    params = {name: _rewritten_param(value) for name, value in eqn.params.items()}
+        return _as_outside_call(eqn, served_primitive) if chosen(eqn) else eqn
+    params = {name: _rewritten_param(value, chosen) for name, value in eqn.params.items()}
     if all(params[name] is value for name, value in eqn.params.items()):
         return eqn
-    return eqn.replace(params=params, effects=_our_effects(eqn.effects))
+    return eqn.replace(params=params,
+                       effects=_effects_now(eqn.effects, list(_jaxprs_in(params.values()))))
 
 
-def _rewritten_param(value: Any) -> Any:
+def _rewritten_param(value: Any, chosen) -> Any:
     if isinstance(value, jx.ClosedJaxpr):
-        jaxpr = _rewritten(value.jaxpr)
+        jaxpr = _rewritten(value.jaxpr, chosen)
         return value if jaxpr is value.jaxpr else value.replace(jaxpr=jaxpr)
     if isinstance(value, jx.Jaxpr):
-        return _rewritten(value)
+        return _rewritten(value, chosen)
     if isinstance(value, (tuple, list)) and any(
             isinstance(v, (jx.ClosedJaxpr, jx.Jaxpr, tuple, list)) for v in value):
-        values = [_rewritten_param(v) for v in value]
+        values = [_rewritten_param(v, chosen) for v in value]
         if all(new is old for new, old in zip(values, value)):
             return value
         return type(value)(values)
     return value
 
 
-def _our_effects(effects) -> set:
-    """JAX's callback effects as ours: ordered across computations or in program order."""
-    ordered = callback_primitives.EFFECT_ORDERED
-    return {(ordered_tap_effect if ordered[type(e)] else program_order_effect)
-            if type(e) in ordered else e for e in effects}
+def _jaxprs_in(values):
+    for value in values:
+        if isinstance(value, (jx.ClosedJaxpr, jx.Jaxpr)):
+            yield value
+        elif isinstance(value, (tuple, list)):
+            yield from _jaxprs_in(value)
+
+
+_CALLBACK_EFFECTS = (*callback_primitives.EFFECT_ORDERED, *program_order.TAP_EFFECTS)
+
+
+def _effects_now(effects, parts) -> set:
+    """An equation's or jaxpr's ``effects`` with JAX's callback effects and ours as the
+    rewritten ``parts`` (its equations, or its sub-jaxprs) now hold them."""
+    kept = {e for e in effects if not isinstance(e, _CALLBACK_EFFECTS)}
+    return kept | {e for part in parts for e in part.effects if isinstance(e, _CALLBACK_EFFECTS)}
 
 
 def _is_ordered(eqn) -> bool:
@@ -146,7 +173,8 @@ def _as_outside_call(eqn, served_primitive):
     kind = served_primitive.kind
     params = dict(eqn.params)
     in_avals = [v.aval for v in eqn.invars]
-    runner = _RunAsJax(served_primitive, params, in_avals)
+    runner = _RunAsJax(served_primitive, params, in_avals,
+                       views=_from_hostcallback_debug(eqn))
     is_call = kind != "debug"
     consumer = Consumer(
         func=runner, treedef=tree_util.tree_structure(tuple(range(len(in_avals)))),
@@ -204,10 +232,11 @@ class _RunAsJax(EqualByKey):
 
     __slots__ = ("in_avals", "name", "params", "primitive", "run")
 
-    def __init__(self, served_primitive, params: dict, in_avals: list) -> None:
+    def __init__(self, served_primitive, params: dict, in_avals: list, views: bool) -> None:
         self.primitive, self.params = served_primitive.primitive, params
         self.in_avals = tuple(in_avals)
-        self.run = served_primitive.prepare(params, self.in_avals, _printable)
+        views = views or served_primitive.prints
+        self.run = served_primitive.prepare(params, self.in_avals, _printable if views else None)
         default = "jax.debug.print" if "fmt" in params else self.primitive.name
         self.name = callback_primitives.callback_name(params, default)
 
@@ -221,15 +250,9 @@ class _RunAsJax(EqualByKey):
 
 
 # JAX decides whether a computation's lowering knows its devices before we rewrite it; ours
-# need them, where JAX's own lowering of a debug callback does not.
-_NEED_DEVICES_WHEN_SERVED = [p.primitive for p in callback_primitives.SERVED
-                             if not patches.requires_devices_during_lowering(p.primitive)]
-
-
-def require_devices(serving: bool) -> None:
-    """While the switch is on, lowerings of JAX's debug callbacks know their devices."""
-    for primitive in _NEED_DEVICES_WHEN_SERVED:
-        patches.require_devices_during_lowering(primitive, serving)
-
-
+# need them, where JAX's own lowering of a debug callback does not. (So, once this module is
+# imported, a function with jax.debug callbacks lowers for devices, as one with io_callback
+# always does: not with an abstract mesh alone.)
+for _served_primitive in callback_primitives.SERVED:
+    patches.require_devices_during_lowering(_served_primitive.primitive)
 program_order.rewrite_before_scope(served)

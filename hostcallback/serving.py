@@ -28,10 +28,6 @@ def serve_jax_callbacks(enabled: bool = True) -> None:
     if enabled:
         _install()
     config.settings.jax_callbacks = bool(enabled)
-    if _installed:
-        from hostcallback import served_callbacks
-
-        served_callbacks.require_devices(bool(enabled))
 
 
 def serving_jax_callbacks() -> bool:

@@ -297,3 +297,22 @@ class FormatCheck(string.Formatter):
                 f"Unused keyword arguments to `jax.debug.print`: {unused_kwargs}. You may be "
                 "passing an f-string (i.e, `f\"{x}\"`) into `jax.debug.print` and instead "
                 "should pass in a regular string.")
+
+
+class OnHost(EqualByKey):
+    """``hostcallback.debug``'s callback or printer (anything with ``apply(args, kwargs)``) as it
+    goes through ``jax.debug.callback``: called with its arguments and keywords packed in two
+    (so that keywords named like JAX's options reach it), served by hostcallback whether the
+    switch is on or not (served_callbacks.py), and handed read-only numpy views (``HostArray``)
+    there."""
+
+    __slots__ = ("__name__", "target")
+
+    def __init__(self, target: Any, name: str) -> None:
+        self.target, self.__name__ = target, name
+
+    def _key(self):
+        return (self.target,)
+
+    def __call__(self, args: tuple, kwargs: dict) -> None:
+        self.target.apply(args, kwargs)

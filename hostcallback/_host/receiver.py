@@ -441,16 +441,16 @@ class ReceiverPool:
             outfeed.respond_error(ordinal, sequence,
                                   printable(f"hostcallback call consumer {consumer_name} failed: "
                                             f"{describe_error(error)}"), platform=platform)
-        fails_computation = not is_call and consumer is not None and consumer.fails_computation
-        if fails_computation:
-            # As a call's: reported by the computations it fails, not again at the barrier.
+        if not is_call and consumer is not None and consumer.fails_computation:
+            # Reported by the computations it fails, and at the barrier too: a computation
+            # without results, which nobody waits for, would lose it.
             outfeed.fail_running_computations(
                 ordinal, printable(f"hostcallback: {consumer_name} raised on {device}: "
                                    f"{describe_error(error)}"), platform=platform)
         if isinstance(error, KeyboardInterrupt) and not self.exiting:
             _thread.interrupt_main()  # the user pressed Ctrl-C: the main thread must see it
         self.failures.record("call" if is_call else "tap consumer", consumer_name, device,
-                             error, report_at_barrier=not (is_call or fails_computation)
+                             error, report_at_barrier=not is_call
                              and not isinstance(error, KeyboardInterrupt),
                              consumer_id=consumer_id)
 

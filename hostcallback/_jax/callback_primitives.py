@@ -36,9 +36,10 @@ class JaxCallbackPrimitive:
 
     primitive: Any
     kind: str  # "debug": a tap without results; "io" and "pure": a call with results
-    # (an equation's params, its operands' avals, what makes a leaf print as a jax.Array does)
-    # -> how to run its callback
-    prepare: Callable[[dict, tuple, Callable], Runner]
+    prints: bool  # JAX's print: its runner is always given views (what is printed is the same)
+    # (an equation's params, its operands' avals, None or what makes a leaf the read-only view a
+    # debug callback is to get instead of a jax.Array) -> how to run its callback
+    prepare: Callable[[dict, tuple, Callable | None], Runner]
 
 
 # ---- arrays and context, as JAX's impls make them ------------------------------------------
@@ -95,13 +96,21 @@ def _run(callback: Callable, arrays: tuple, device, *, logger, failure: str,
 # ---- the four primitives -------------------------------------------------------------------
 
 
-def _prepare_debug_callback(params: dict, in_avals: tuple, printable: Callable) -> Runner:
-    del printable  # a callback gets jax.Arrays
+def _prepare_debug_callback(params: dict, in_avals: tuple, views: Callable | None) -> Runner:
+    """As debug_callback_impl runs it: with jax.Arrays; or, given ``views``, with the leaves as
+    ``views`` makes them (read-only numpy arrays that print as jax.Arrays do)."""
     callback, placement = params["callback"], _Placement(in_avals)
 
     def run(leaves: tuple) -> tuple:
-        _run(callback, placement.arrays(leaves), placement.device, logger=_debugging.logger,
-             failure="jax.debug.callback failed", debug=True)
+        if views is None:
+            _run(callback, placement.arrays(leaves), placement.device, logger=_debugging.logger,
+                 failure="jax.debug.callback failed", debug=True)
+            return ()
+        try:
+            callback(*map(views, leaves))
+        except BaseException:
+            _debugging.logger.exception("jax.debug.callback failed")
+            raise
         return ()
     return run
 
@@ -112,30 +121,21 @@ _PRINT_PIECES = all(hasattr(_debugging, name) for name in ("_make_flat_callback"
                                                            "_format_print_callback"))
 
 
-def _prepare_debug_print(params: dict, in_avals: tuple, printable: Callable) -> Runner:
+def _prepare_debug_print(params: dict, in_avals: tuple, views: Callable | None) -> Runner:
     """JAX's print formatting, built once per equation as debug_print_impl builds it per call,
-    given the leaves as ``printable`` makes them (views that print as jax.Arrays do: what is
-    printed is the same, without placing arrays on a device)."""
-    del in_avals  # nothing is placed on a device
+    given the leaves as read-only numpy views that print as jax.Arrays do (what is printed is
+    the same, without placing arrays on a device)."""
     if not (_PRINT_PIECES and set(params) == _PRINT_PARAMS):
         return lambda leaves: (_debugging.debug_print_p.impl(*leaves, **params), ())[1]
     callback = _debugging._make_flat_callback(params["in_tree"], functools.partial(
         _debugging._format_print_callback, params["fmt"], dict(params["np_printoptions"]),
         params["has_placeholders"], params["logging_record"]), params["static_args"])
-
-    def run(leaves: tuple) -> tuple:
-        try:
-            callback(*map(printable, leaves))
-        except BaseException:
-            _debugging.logger.exception("jax.debug.callback failed")
-            raise
-        return ()
-    return run
+    return _prepare_debug_callback({"callback": callback}, in_avals, views)
 
 
-def _prepare_call(api: str) -> Callable[[dict, tuple, Callable], Runner]:
-    def prepare(params: dict, in_avals: tuple, printable: Callable) -> Runner:
-        del printable  # a callback gets jax.Arrays
+def _prepare_call(api: str) -> Callable[[dict, tuple, Callable | None], Runner]:
+    def prepare(params: dict, in_avals: tuple, views: Callable | None) -> Runner:
+        del views  # a call's callback gets jax.Arrays, as JAX's
         callback, placement = params["callback"], _Placement(in_avals)
 
         def run(leaves: tuple) -> tuple:
@@ -146,9 +146,9 @@ def _prepare_call(api: str) -> Callable[[dict, tuple, Callable], Runner]:
     return prepare
 
 
-def callback_name(params: dict, default: str) -> str:
-    """The name of the user's function behind an equation's callback: io and pure callbacks hold
-    it in a _FlatCallback, a debug callback in the closure _make_flat_callback made."""
+def user_callback(params: dict) -> Any:
+    """The user's function behind an equation's callback, or None: io and pure callbacks hold it
+    in a _FlatCallback, a debug callback in the closure JAX flattens its arguments with."""
     callback = params.get("callback")
     function = getattr(callback, "callback_func", None)
     if function is None and callable(callback):
@@ -158,16 +158,20 @@ def callback_name(params: dict, default: str) -> str:
             function = dict(zip(names, (cell.cell_contents for cell in cells))).get("callback")
         except ValueError:  # an empty cell
             function = None
-    return getattr(function, "__name__", None) or default
+    return function
+
+
+def callback_name(params: dict, default: str) -> str:
+    return getattr(user_callback(params), "__name__", None) or default
 
 
 def _found() -> tuple[JaxCallbackPrimitive, ...]:
-    candidates = ((_debugging, "debug_callback_p", "debug", _prepare_debug_callback),
-                  (_debugging, "debug_print_p", "debug", _prepare_debug_print),
-                  (_callback, "pure_callback_p", "pure", _prepare_call("pure_callback")),
-                  (_callback, "io_callback_p", "io", _prepare_call("io_callback")))
-    return tuple(JaxCallbackPrimitive(getattr(module, name), kind, prepare)
-                 for module, name, kind, prepare in candidates if hasattr(module, name))
+    candidates = ((_debugging, "debug_callback_p", "debug", False, _prepare_debug_callback),
+                  (_debugging, "debug_print_p", "debug", True, _prepare_debug_print),
+                  (_callback, "pure_callback_p", "pure", False, _prepare_call("pure_callback")),
+                  (_callback, "io_callback_p", "io", False, _prepare_call("io_callback")))
+    return tuple(JaxCallbackPrimitive(getattr(module, name), kind, prints, prepare)
+                 for module, name, kind, prints, prepare in candidates if hasattr(module, name))
 
 
 SERVED = _found()

@@ -27,17 +27,9 @@ def register_ordered_effect(effect_type: type) -> None:
         getattr(effects, name).add_type(effect_type)
 
 
-def require_devices_during_lowering(primitive, required: bool = True) -> None:
-    """The primitive's lowering maps partitions to devices, so it needs the device assignment
-    (``required=False``: no longer)."""
-    if required:
-        _dispatch.prim_requires_devices_during_lowering.add(primitive)
-    else:
-        _dispatch.prim_requires_devices_during_lowering.discard(primitive)
-
-
-def requires_devices_during_lowering(primitive) -> bool:
-    return primitive in _dispatch.prim_requires_devices_during_lowering
+def require_devices_during_lowering(primitive) -> None:
+    """The primitive's lowering maps partitions to devices, so it needs the device assignment."""
+    _dispatch.prim_requires_devices_during_lowering.add(primitive)
 
 
 # JAX 0.12 calls DCE rules as rule(used_outputs, live_inputs, eqn); earlier ones as

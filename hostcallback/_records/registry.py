@@ -40,7 +40,7 @@ class EqualByKey:
         return hash(self._key())
 
 
-# Consumer.jax_api of hostcallback.debug's taps.
+# Consumer.jax_api of JAX's debug callbacks and prints served by hostcallback.
 DEBUG_CALLBACK_API = "debug_callback"
 
 
@@ -65,11 +65,13 @@ class Consumer:
     # A call traced with x64 on accepts only exact result dtypes (no float64 -> float32).
     x64: bool = False
     # "pure_callback" or "io_callback": a call made through hostcallback's function of that
-    # name, which fails under transformations with JAX's own exceptions and messages;
-    # DEBUG_CALLBACK_API: a tap of hostcallback.debug, transformed as JAX's debug callback is.
+    # name, which fails under transformations with JAX's own exceptions and messages, or one of
+    # JAX's served by hostcallback; DEBUG_CALLBACK_API: a JAX debug callback or print served by
+    # hostcallback (refused where JAX refuses it: ordered on several devices).
     jax_api: str = ""
-    # A tap whose failure fails its computation at its fence (a JAX debug callback served by
-    # hostcallback, compiled with a fence: JAX fails the computation), reported there only.
+    # A tap whose failure also fails the computations running on its device, at their fence (a
+    # JAX debug callback served by hostcallback, compiled with a fence: JAX fails the
+    # computation).
     fails_computation: bool = False
 
     # A tap function's ``tap_batch`` method (hostcallback._host.batches), taken once; never a

@@ -94,18 +94,10 @@ patches.set_dce_rule(outside_call_p, _dce_rule)
 
 def _batching_rule(args, dims, *, consumer_id, **params):
     """A tap: one tap of the whole batch; the consumer learns which axis of each leaf is the
-    batch. A call: as its vmap_method says. A partitioned debug callback (JAX's semantics): one
-    tap per batch element, sliced in the computation, as JAX's rule unrolls it, so that each
-    device's shard is that of the element (a shard of the whole batch need not hold whole
-    elements, nor the same ones for every leaf)."""
+    batch. A call: as its vmap_method says. (hostcallback.debug's callbacks are JAX's own until
+    they are lowered: JAX's rule batches them.)"""
     if params["result_avals"] is not None:
         return _batch_call(args, dims, consumer_id=consumer_id, **params)
-    if params["partitioned"] and registry.get(consumer_id).jax_api == DEBUG_CALLBACK_API:
-        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-        for i in range(size):
-            outside_call_p.bind(*[a if d is None else jax.lax.index_in_dim(a, i, d, False)
-                                  for a, d in zip(args, dims)], consumer_id=consumer_id, **params)
-        return args, dims
     batch_dims = tuple(dims)  # None marks a leaf that is not batched
     batched = registry.get(consumer_id).with_transform(("batch", {"batch_dims": batch_dims}))
     outs = outside_call_p.bind(*args, consumer_id=registry.register(batched), **params)

@@ -113,7 +113,7 @@ def test_a_callback_without_arrays_is_called_once(transport, args):
 
 def test_under_vmap_arrays_stay_read_only_views(transport):
     seen = []
-    jax.vmap(lambda x: hcb_debug.callback(lambda v: seen.append(v), x))(X)
+    jax.jit(jax.vmap(lambda x: hcb_debug.callback(lambda v: seen.append(v), x)))(X)
     hcb_debug.effects_barrier()
     assert len(seen) == 2 and all(not v.flags.writeable and v.shape == (3,) for v in seen)
 
@@ -273,11 +273,26 @@ def test_ordered_callbacks_keep_program_order_across_computations(transport):
     assert_same_calls(program, X)
 
 
-def test_effects_barrier_raises_what_a_callback_raised(transport):
+def test_a_callback_that_raises_fails_its_computation_as_jaxs_and_the_next_barrier(transport):
     def broken(x):
         raise ValueError("broken callback")
 
-    jax.jit(lambda x: hcb_debug.callback(broken, x))(X)
+    for debug in (jax.debug, hcb_debug):
+        with pytest.raises(jax.errors.JaxRuntimeError, match="broken callback"):
+            jax.jit(lambda x, d=debug: (d.callback(broken, x), x + 1)[1])(X).block_until_ready()
+    with pytest.raises(hcb.CallbackException, match="broken callback"):  # ours, not JAX's
+        hcb_debug.effects_barrier()
+
+
+def test_a_failing_callback_of_a_computation_without_results_is_raised_at_the_barrier(
+        transport):
+    def broken(x):
+        raise ValueError("broken callback")
+
+    try:  # the callback transport dispatches as JAX's callbacks do, waiting: it fails here
+        jax.jit(lambda x: hcb_debug.callback(broken, x))(X)
+    except jax.errors.JaxRuntimeError as error:
+        assert transport == "callback" and "broken callback" in str(error)
     with pytest.raises(hcb.CallbackException, match="broken callback"):
         hcb_debug.effects_barrier()
 

@@ -10,11 +10,11 @@ call for an io or pure callback, whose consumer runs the callback as JAX's own l
 jax.Arrays, ``OnHost``), and JAX's callback effects by ours (an unordered one by program order,
 an ordered one by ``ordered=True``) wherever they now stand for ours. The computation then lowers
 as any tapped one: program order, results ready once its callbacks ran, the per-device and
-sharded forms. A computation with a callback to serve that we cannot serve as JAX would (an io
-or pure callback given a ``sharding``, a value our records do not carry (sub-byte integers, PRNG
-keys), one in a shard_map that leaves some mesh axes automatic), or lowered on a receiver thread
-(it would wait for itself), is left to JAX whole. The rewritten jaxpr is cached per jaxpr, so
-JAX's lowering cache still hits.
+sharded forms. A callback we cannot serve as JAX would (an io or pure callback given a
+``sharding``, a value our records do not carry (sub-byte integers, PRNG keys), one in a shard_map
+that leaves some mesh axes automatic) is left to JAX (in its own order, apart from ours), and so
+is a computation lowered on a receiver thread (it would wait for itself). The rewritten jaxpr is
+cached per jaxpr, so JAX's lowering cache still hits.
 """
 
 from __future__ import annotations
@@ -57,13 +57,15 @@ def served(closed_jaxpr: jx.ClosedJaxpr, platform: str | None) -> jx.ClosedJaxpr
     found = cache.get(closed_jaxpr)
     if found is None:
         found = closed_jaxpr
-        chosen = _every_callback if serve_all else _from_hostcallback_debug
-        callbacks = [(eqn, partly_manual) for eqn, partly_manual in _equations(closed_jaxpr.jaxpr)
-                     if eqn.primitive in _BY_PRIMITIVE and chosen(eqn)]
-        if callbacks and all(_servable(eqn, partly_manual) for eqn, partly_manual in callbacks):
+        wanted = _every_callback if serve_all else _from_hostcallback_debug
+        to_serve = {id(eqn) for eqn, partly_manual in _equations(closed_jaxpr.jaxpr)
+                    if eqn.primitive in _BY_PRIMITIVE and wanted(eqn)
+                    and _servable(eqn, partly_manual)}
+        if to_serve:
             lifecycle.ensure_started()
             outfeed.watch_interrupts()
-            found = closed_jaxpr.replace(jaxpr=_rewritten(closed_jaxpr.jaxpr, chosen))
+            found = closed_jaxpr.replace(jaxpr=_rewritten(closed_jaxpr.jaxpr,
+                                                          lambda eqn: id(eqn) in to_serve))
         cache[closed_jaxpr] = found
     return found
 
@@ -92,7 +94,7 @@ def _equations(jaxpr, manual: frozenset = frozenset(), mesh_axes: frozenset = fr
             inner_manual = manual | frozenset(newly)
             inner_axes = frozenset(eqn.params["mesh"].axis_names)
         yield eqn, bool(manual) and manual != mesh_axes
-        for sub in jx.jaxprs_in_params(eqn.params):
+        for sub in _jaxprs_in(eqn.params.values()):  # as _rewritten_param finds them
             yield from _equations(getattr(sub, "jaxpr", sub), inner_manual, inner_axes)
 
 
@@ -215,6 +217,8 @@ def _stable(value: Any, nested: bool = False) -> Any:
             return ("id", id(value))
     if isinstance(value, tuple):
         return tuple(_stable(v, True) for v in value)
+    if isinstance(value, dict):  # a debug callback's static arguments, by their position
+        return ("dict", tuple((k, _stable(v, True)) for k, v in value.items()))
     try:
         hash(value)
     except TypeError:

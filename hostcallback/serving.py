@@ -40,8 +40,8 @@ def _install() -> None:
         raise RuntimeError(
             "serve_jax_callbacks() needs hostcallback's own lowering, which its portable mode "
             f"({_jax.PORTABLE_REASON}) does not have; JAX's callbacks keep JAX's lowering. "
-            "Change `jax.debug` to `hostcallback.debug` (and jax's io_callback and pure_callback "
-            "to hostcallback's) to have them on hostcallback's transport there.")
+            "Taps (hostcallback.id_tap, id_print) and hostcallback's io_callback and "
+            "pure_callback run on hostcallback's transport there.")
     from hostcallback import served_callbacks  # noqa: F401 - adds its rewrite
     from hostcallback._jax import patches
 

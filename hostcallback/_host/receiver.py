@@ -444,9 +444,9 @@ class ReceiverPool:
         if not is_call and consumer is not None and consumer.fails_computation:
             # Reported by the computations it fails, and at the barrier too: a computation
             # without results, which nobody waits for, would lose it.
-            outfeed.fail_running_computations(
-                ordinal, printable(f"hostcallback: {consumer_name} raised on {device}: "
-                                   f"{describe_error(error)}"), platform=platform)
+            why = f"hostcallback: {consumer_name} raised on {device}: {describe_error(error)}"
+            outfeed.fail_running_computations(ordinal, sequence, printable(why),
+                                              platform=platform)
         if isinstance(error, KeyboardInterrupt) and not self.exiting:
             _thread.interrupt_main()  # the user pressed Ctrl-C: the main thread must see it
         self.failures.record("call" if is_call else "tap consumer", consumer_name, device,

@@ -253,6 +253,11 @@ std::vector<Record> DeviceQueue::Pop(size_t max_records, size_t max_bytes, doubl
   return out;
 }
 
+uint64_t DeviceQueue::NextSequence() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return next_sequence_;
+}
+
 uint64_t DeviceQueue::TapsEnqueued() {
   std::lock_guard<std::mutex> lock(mu_);
   return taps_below_;

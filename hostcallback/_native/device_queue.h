@@ -173,6 +173,8 @@ class DeviceQueue {
   // after the last tap is left out: its device has had its answer or given up on it, and a call
   // function that outlives its call must not keep its computation from ending.
   uint64_t TapsEnqueued();
+  // The sequence number the next record will get.
+  uint64_t NextSequence();
   // The batch the receiver is delivering now (a count of batches handed out), 0 between them;
   // with seconds, how long it has been delivering it.
   uint64_t DeliveringBatch(double* seconds = nullptr);

@@ -522,12 +522,12 @@ void DefineModule(nb::module_& m) {
       "where no handler of ours saw it); returns how many.");
   m.def(
       "fail_running_computations",
-      [](int device, const std::string& why, const std::string& platform) {
-        CheckedQueue(platform, device)->computations.FailRunning(why);
+      [](int device, uint64_t sequence, const std::string& why, const std::string& platform) {
+        CheckedQueue(platform, device)->computations.FailRunning(sequence, why);
       },
-      nb::arg("device"), nb::arg("why"), nb::arg("platform") = kNativePlatform,
-      "A tap that fails its computation failed: each tapped computation running on the device "
-      "now fails with the reason at its fence (the first reason, if several).");
+      nb::arg("device"), nb::arg("sequence"), nb::arg("why"), nb::arg("platform") = kNativePlatform,
+      "A tap that fails its computation failed (its record's sequence number): its computation, "
+      "if it still runs, fails with the reason at its fence (the first reason, if several).");
   m.def("computations", &ComputationsOf, nb::arg("device"), nb::arg("platform") = kNativePlatform,
         "The tapped computations of one device: begun (ids handed out), oldest_running (begun "
         "when none runs), running, seconds_since_end (-1 before the first ends).");

@@ -4,6 +4,7 @@ in order, and the text printed)."""
 
 import functools
 import inspect
+import threading
 import warnings
 
 import jax
@@ -63,6 +64,9 @@ def assert_same_calls(program, *inputs, any_order=False):
 
 X = jnp.arange(6.0, dtype=jnp.float32).reshape(2, 3)
 
+# The portable mode leaves hostcallback.debug's callbacks to JAX's own lowering.
+needs_serving = pytest.mark.needs_internals("hostcallback.debug served on hostcallback's transport")
+
 # JAX's two-call form (options first) came after JAX 0.8; ours has it on every JAX.
 needs_jaxs_two_call_form = pytest.mark.skipif(
     inspect.signature(jax.debug.callback).parameters["callback"].default is not None,
@@ -77,6 +81,7 @@ def test_positional_and_keyword_pytrees_and_static_leaves_reach_the_callback(tra
     assert_same_calls(program, X)
 
 
+@needs_serving
 def test_arrays_arrive_read_only_and_print_as_jax_arrays_do(transport):
     seen = []
     jax.jit(lambda x: hcb_debug.callback(lambda v: seen.append(v), x))(X)
@@ -111,6 +116,7 @@ def test_a_callback_without_arrays_is_called_once(transport, args):
     assert_same_calls(program, X)
 
 
+@needs_serving
 def test_under_vmap_arrays_stay_read_only_views(transport):
     seen = []
     jax.jit(jax.vmap(lambda x: hcb_debug.callback(lambda v: seen.append(v), x)))(X)
@@ -273,6 +279,7 @@ def test_ordered_callbacks_keep_program_order_across_computations(transport):
     assert_same_calls(program, X)
 
 
+@needs_serving
 def test_a_callback_that_raises_fails_its_computation_as_jaxs_and_the_next_barrier(transport):
     def broken(x):
         raise ValueError("broken callback")
@@ -284,6 +291,7 @@ def test_a_callback_that_raises_fails_its_computation_as_jaxs_and_the_next_barri
         hcb_debug.effects_barrier()
 
 
+@needs_serving
 def test_a_failing_callback_of_a_computation_without_results_is_raised_at_the_barrier(
         transport):
     def broken(x):
@@ -295,6 +303,19 @@ def test_a_failing_callback_of_a_computation_without_results_is_raised_at_the_ba
         assert transport == "callback" and "broken callback" in str(error)
     with pytest.raises(hcb.CallbackException, match="broken callback"):
         hcb_debug.effects_barrier()
+
+
+@needs_serving
+def test_in_jit_a_callback_lowers_to_our_handler_and_runs_on_a_receiver(transport):
+    threads = []
+    program = jax.jit(lambda x: hcb_debug.callback(lambda v: threads.append(
+        threading.current_thread().name), x))
+    text = program.lower(X).as_text()
+    assert "xla_ffi_python_cpu_callback" not in text or transport == "callback"
+    assert ("hostcallback_tap" in text) == (transport == "native")
+    program(X)
+    hcb_debug.effects_barrier()
+    assert threads and all(name.startswith("hostcallback-receiver") for name in threads)
 
 
 def test_a_callback_that_is_not_callable_is_refused_as_jax_refuses_it():

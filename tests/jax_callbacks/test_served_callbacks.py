@@ -4,6 +4,7 @@ same program with the switch off (JAX's lowering) and on, and compares what the 
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -328,6 +329,29 @@ def test_a_raising_debug_callback_is_logged_and_fails_its_computation_as_jaxs_do
     np.testing.assert_array_equal(ok, X + 1)  # the next computation is not failed by it
 
 
+@pytest.mark.timeout(60)
+def test_a_raising_callback_fails_its_own_computation_never_a_later_one(served):
+    """The first computation's callbacks outlast the 5 s a computation's end waits for a stuck
+    consumer, so it ends, and a longer one runs when its last callback raises: neither fails
+    with it (its own has ended), and the barrier reports it."""
+    def slow(v):
+        time.sleep(5.5)
+
+    def fails(v):
+        raise ValueError("no good")
+
+    first = jax.jit(lambda v: (jax.debug.callback(slow, v), jax.debug.callback(fails, v),
+                               v + 1)[2])
+    heavy = jnp.ones((400, 400)) / 400
+    later = jax.jit(lambda c: (jax.debug.callback(lambda v: None, c[0, 0]),
+                               jax.lax.fori_loop(0, 1000, lambda i, c: jnp.tanh(c @ c), c))[1])
+    later(heavy).block_until_ready()  # compiled
+    np.testing.assert_array_equal(first(X), X + 1)  # released after 5 s, before `fails` ran
+    later(heavy).block_until_ready()  # runs (seconds) when `fails` raises
+    with pytest.raises(hcb.CallbackException, match="no good"):
+        jax.effects_barrier()
+
+
 def test_with_async_delivery_a_raising_debug_callback_is_raised_at_effects_barrier(served):
     with hcb.config.override(delivery="async"):
         step = jax.jit(lambda x: (jax.debug.callback(fails, x), x + 1)[1])
@@ -364,9 +388,12 @@ def test_a_callback_in_a_partly_manual_shard_map_is_left_to_jax(served):
     assert seen
 
 
-def test_a_callback_of_a_sub_byte_value_is_left_to_jax(served):
+def test_a_callback_of_a_sub_byte_value_is_left_to_jax_and_the_others_are_served(served):
     text = lowered_text(lambda x: jax.debug.callback(lambda v: None, x.astype(jnp.int4)), X)
     assert JAX_TARGET in text and not any(t in text for t in OUR_TARGETS)
+    text = lowered_text(lambda x: (jax.debug.callback(lambda v: None, x.astype(jnp.int4)),
+                                   jax.debug.callback(lambda v: None, x)), X)
+    assert JAX_TARGET in text and "hostcallback_tap" in text
 
 
 def test_effects_barrier_still_waits_for_callbacks_served_before_the_switch_went_off():
@@ -456,7 +483,7 @@ def test_the_portable_mode_refuses_the_switch_saying_why():
                         "serve_jax_callbacks()\n", devices=1,
                         env={"HOSTCALLBACK_PORTABLE": "1"})
     assert result.returncode != 0
-    assert "portable mode" in result.stderr and "hostcallback.debug" in result.stderr
+    assert "portable mode" in result.stderr and "id_tap" in result.stderr
 
 
 def test_large_arguments_on_several_devices_do_not_hang(served):

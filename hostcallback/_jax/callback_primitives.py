@@ -1,14 +1,14 @@
 """JAX's own callback primitives, for the switch that serves them on hostcallback's transport
 (hostcallback/served_callbacks.py).
 
-Per primitive: what kind of tap it becomes, and how one of its equations runs on the host as
-JAX's impl runs it: the arguments as jax.Arrays on a CPU device, the callback called with that
-device as the default (and, for a debug callback, no mesh in force), its exception logged on
-JAX's logger with JAX's words and raised. The runner is prepared once per equation; per record it
-only places the arrays (jaxlib's batched_device_put, a few microseconds, where jax.device_put
-takes 30). JAX 0.8 to 0.12 name and shape these alike; where a piece this relies on is missing,
-the runner calls JAX's impl itself (slower, the same result), and a primitive this JAX lacks is
-not served (its own lowering stays). ImportError here means none can be.
+Per primitive: what kind of tap it becomes, and how one of its equations runs on the host as JAX's
+impl runs it: the arguments as jax.Arrays on a CPU device, the callback called with that device as
+the default (and, for a debug callback, no mesh in force), its failure logged as JAX logs it. The
+runner is prepared once per equation; per record it only places the arrays (jaxlib's
+batched_device_put, a few microseconds, where jax.device_put takes 30). JAX 0.8 to 0.12 name and
+shape these alike; where a piece this relies on is missing, the runner calls JAX's impl itself
+(slower, the same result), and a primitive this JAX lacks is not served (its own lowering stays).
+ImportError here means none can be.
 """
 
 from __future__ import annotations
@@ -75,22 +75,37 @@ class _Placement:
             for aval, leaf in zip(self.in_avals, leaves))
 
 
-def _run(callback: Callable, arrays: tuple, device, *, logger, failure: str,
-         debug: bool) -> Any:
+def _run(callback: Callable, arrays: tuple, device, *, debug: bool) -> Any:
     """callback(*arrays) with ``device`` the default (and for a debug callback no mesh in
-    force), its exception logged as JAX logs it."""
+    force)."""
     with jax.default_device(device):
-        try:
-            if not debug:
+        if not debug:
+            return callback(*arrays)
+        with _mesh.use_abstract_mesh(_mesh.empty_abstract_mesh):
+            if not _HAS_CONCRETE_MESH:
                 return callback(*arrays)
-            with _mesh.use_abstract_mesh(_mesh.empty_abstract_mesh):
-                if not _HAS_CONCRETE_MESH:
-                    return callback(*arrays)
-                with _sharding._internal_use_concrete_mesh(_mesh.empty_concrete_mesh):
-                    return callback(*arrays)
-        except BaseException:
-            logger.exception(failure)
-            raise
+            with _sharding._internal_use_concrete_mesh(_mesh.empty_concrete_mesh):
+                return callback(*arrays)
+
+
+class _LogsAsJax:
+    """What JAX's impl logs when a callback raises, on JAX's logger: for a call every time (its
+    computation fails there); for a debug callback the first time only, since the computation
+    runs on to its end and a callback in a loop would flood the log (the receiver's own log
+    counts the rest)."""
+
+    def __init__(self, logger, message: str, every_time: bool) -> None:
+        self.logger, self.message, self.every_time, self.logged = (
+            logger, message, every_time, False)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if error is not None and (self.every_time or not self.logged):
+            self.logged = True
+            self.logger.error(self.message, exc_info=(kind, error, traceback))
+        return False
 
 
 # ---- the four primitives -------------------------------------------------------------------
@@ -100,17 +115,14 @@ def _prepare_debug_callback(params: dict, in_avals: tuple, views: Callable | Non
     """As debug_callback_impl runs it: with jax.Arrays; or, given ``views``, with the leaves as
     ``views`` makes them (read-only numpy arrays that print as jax.Arrays do)."""
     callback, placement = params["callback"], _Placement(in_avals)
+    logs = _LogsAsJax(_debugging.logger, "jax.debug.callback failed", every_time=False)
 
     def run(leaves: tuple) -> tuple:
-        if views is None:
-            _run(callback, placement.arrays(leaves), placement.device, logger=_debugging.logger,
-                 failure="jax.debug.callback failed", debug=True)
-            return ()
-        try:
-            callback(*map(views, leaves))
-        except BaseException:
-            _debugging.logger.exception("jax.debug.callback failed")
-            raise
+        with logs:
+            if views is None:
+                _run(callback, placement.arrays(leaves), placement.device, debug=True)
+            else:
+                callback(*map(views, leaves))
         return ()
     return run
 
@@ -135,12 +147,16 @@ def _prepare_debug_print(params: dict, in_avals: tuple, views: Callable | None) 
 
 def _prepare_call(api: str) -> Callable[[dict, tuple, Callable | None], Runner]:
     def prepare(params: dict, in_avals: tuple, views: Callable | None) -> Runner:
+        """As pure_callback_impl and io_callback_impl run it: with jax.Arrays, its results as
+        numpy arrays."""
         del views  # a call's callback gets jax.Arrays, as JAX's
         callback, placement = params["callback"], _Placement(in_avals)
+        logs = _LogsAsJax(_callback.logger, f"jax.{api} failed", every_time=True)
 
         def run(leaves: tuple) -> tuple:
-            results = _run(callback, placement.arrays(leaves), placement.device,
-                           logger=_callback.logger, failure=f"jax.{api} failed", debug=False)
+            with logs:
+                results = _run(callback, placement.arrays(leaves), placement.device,
+                               debug=False)
             return tuple(np.asarray(result) for result in jax.tree.leaves(results))
         return run
     return prepare

@@ -6,14 +6,14 @@ JAX traces and transforms them with its own rules (batching, JVP, transpose, rem
 before a computation is lowered for a native platform, each of their equations that is to be
 served, at any depth, is replaced by our ``outside_call``: a tap for a debug callback or print, a
 call for an io or pure callback, whose consumer runs the callback as JAX's own lowering would
-(callback_primitives.py; ``hostcallback.debug``'s get read-only numpy views instead of
-jax.Arrays, ``OnHost``), and JAX's callback effects by ours (an unordered one by program order,
-an ordered one by ``ordered=True``) wherever they now stand for ours. The computation then lowers
-as any tapped one: program order, results ready once its callbacks ran, the per-device and
-sharded forms. A callback we cannot serve as JAX would (an io or pure callback given a
-``sharding``, a value our records do not carry (sub-byte integers, PRNG keys), one in a shard_map
-that leaves some mesh axes automatic) is left to JAX (in its own order, apart from ours), and so
-is a computation lowered on a receiver thread (it would wait for itself). The rewritten jaxpr is
+(callback_primitives.py; ``hostcallback.debug``'s get read-only numpy views instead of jax.Arrays,
+``OnHost``), and JAX's callback effects by ours (an unordered one by program order, an ordered one
+by ``ordered=True``) wherever they now stand for ours. The computation then lowers as any tapped
+one: program order, results ready once its callbacks ran, the per-device and sharded forms. A
+callback we cannot serve as JAX would (an io or pure callback given a ``sharding``, a value our
+records do not carry (sub-byte integers, PRNG keys), one in a shard_map that leaves some mesh axes
+automatic or in a batched while predicate) is left to JAX (in its own order, apart from ours), and
+so is a computation lowered on a receiver thread (it would wait for itself). The rewritten jaxpr is
 cached per jaxpr, so JAX's lowering cache still hits.
 """
 
@@ -58,9 +58,9 @@ def served(closed_jaxpr: jx.ClosedJaxpr, platform: str | None) -> jx.ClosedJaxpr
     if found is None:
         found = closed_jaxpr
         wanted = _every_callback if serve_all else _from_hostcallback_debug
-        to_serve = {id(eqn) for eqn, partly_manual in _equations(closed_jaxpr.jaxpr)
+        to_serve = {id(eqn) for eqn, jax_keeps_it in _equations(closed_jaxpr.jaxpr)
                     if eqn.primitive in _BY_PRIMITIVE and wanted(eqn)
-                    and _servable(eqn, partly_manual)}
+                    and _servable(eqn, jax_keeps_it)}
         if to_serve:
             lifecycle.ensure_started()
             outfeed.watch_interrupts()
@@ -83,9 +83,12 @@ def _from_hostcallback_debug(eqn) -> bool:
 _served = {False: weakref.WeakKeyDictionary(), True: weakref.WeakKeyDictionary()}
 
 
-def _equations(jaxpr, manual: frozenset = frozenset(), mesh_axes: frozenset = frozenset()):
-    """Every equation at any depth, with whether it sits in a shard_map that leaves some of its
-    mesh's axes automatic (JAX gathers and calls back on one device there; we do not serve it)."""
+def _equations(jaxpr, manual: frozenset = frozenset(), mesh_axes: frozenset = frozenset(),
+               in_batched_predicate: bool = False):
+    """Every equation at any depth, with whether JAX's own lowering is to keep it: in a
+    shard_map that leaves some of its mesh's axes automatic (JAX gathers and calls back on one
+    device there), or in the predicate of a while loop that vmap batched (JAX lowers it by
+    evaluating the predicate again in the body, which its callbacks show)."""
     for eqn in jaxpr.eqns:
         inner_manual, inner_axes = manual, mesh_axes
         if "mesh" in eqn.params and ("manual_axes" in eqn.params
@@ -93,13 +96,16 @@ def _equations(jaxpr, manual: frozenset = frozenset(), mesh_axes: frozenset = fr
             newly = eqn.params.get("newly_manual_axes", eqn.params.get("manual_axes"))
             inner_manual = manual | frozenset(newly)
             inner_axes = frozenset(eqn.params["mesh"].axis_names)
-        yield eqn, bool(manual) and manual != mesh_axes
+        yield eqn, in_batched_predicate or (bool(manual) and manual != mesh_axes)
+        predicate = eqn.params.get("cond_jaxpr") if "body_jaxpr" in eqn.params else None
         for sub in _jaxprs_in(eqn.params.values()):  # as _rewritten_param finds them
-            yield from _equations(getattr(sub, "jaxpr", sub), inner_manual, inner_axes)
+            batched = sub is predicate and bool(predicate.out_avals[0].shape)
+            yield from _equations(getattr(sub, "jaxpr", sub), inner_manual, inner_axes,
+                                  in_batched_predicate or batched)
 
 
-def _servable(eqn, partly_manual: bool) -> bool:
-    return (not partly_manual and eqn.params.get("sharding") is None
+def _servable(eqn, jax_keeps_it: bool) -> bool:
+    return (not jax_keeps_it and eqn.params.get("sharding") is None
             and all(_travels(v.aval) for v in (*eqn.invars, *eqn.outvars)))
 
 

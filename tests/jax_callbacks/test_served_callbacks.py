@@ -183,6 +183,28 @@ def test_debug_print_prints_what_jaxs_prints(capfd):
     assert outputs[1] == outputs[0] and "sum=15.00" in outputs[0]
 
 
+@pytest.mark.parametrize("ordered", [False, True])
+def test_a_print_in_a_batched_while_predicate_prints_what_jaxs_prints(capfd, ordered):
+    """JAX lowers such a loop by evaluating the predicate again in the body (and runs finished
+    lanes on): its prints show it, so that callback stays JAX's."""
+    def count_up(x):
+        def predicate(x):
+            jax.debug.print("x: {x}", x=x, ordered=ordered)
+            return x < 3
+        return jax.lax.while_loop(predicate, lambda x: x + 1, x)
+
+    outputs = []
+    for on in (False, True):
+        serve_jax_callbacks(on)
+        try:
+            jax.jit(jax.vmap(count_up))(jnp.arange(2)).block_until_ready()
+            jax.effects_barrier()
+        finally:
+            serve_jax_callbacks(False)
+        outputs.append(capfd.readouterr().out)
+    assert outputs[1] == outputs[0] and outputs[0].count("x: ") > 4
+
+
 def test_pure_and_io_callbacks_return_their_results_into_the_computation(served):
     def program(x):
         doubled = jax.pure_callback(lambda v: np.asarray(v) * 2,

@@ -12,8 +12,9 @@ by ``ordered=True``) wherever they now stand for ours. The computation then lowe
 one: program order, results ready once its callbacks ran, the per-device and sharded forms. A
 callback we cannot serve as JAX would (an io or pure callback given a ``sharding``, a value our
 records do not carry (sub-byte integers, PRNG keys), one in a shard_map that leaves some mesh axes
-automatic or in a batched while predicate) is left to JAX (in its own order, apart from ours), and
-so is a computation lowered on a receiver thread (it would wait for itself). The rewritten jaxpr is
+automatic or in a batched while predicate) is left to JAX (in its own order, apart from ours; with
+every ordered one of its computation, if it is ordered), and so is a computation lowered on a
+receiver thread (it would wait for itself). The rewritten jaxpr is
 cached per jaxpr, so JAX's lowering cache still hits.
 """
 
@@ -58,9 +59,12 @@ def served(closed_jaxpr: jx.ClosedJaxpr, platform: str | None) -> jx.ClosedJaxpr
     if found is None:
         found = closed_jaxpr
         wanted = _every_callback if serve_all else _from_hostcallback_debug
-        to_serve = {id(eqn) for eqn, jax_keeps_it in _equations(closed_jaxpr.jaxpr)
-                    if eqn.primitive in _BY_PRIMITIVE and wanted(eqn)
-                    and _servable(eqn, jax_keeps_it)}
+        candidates = [(eqn, jax_keeps_it) for eqn, jax_keeps_it in _equations(closed_jaxpr.jaxpr)
+                      if eqn.primitive in _BY_PRIMITIVE and wanted(eqn)]
+        to_serve = {id(eqn) for eqn, jax_keeps_it in candidates if _servable(eqn, jax_keeps_it)}
+        if any(_is_ordered(eqn) and id(eqn) not in to_serve for eqn, _ in candidates):
+            # An ordered callback stays JAX's: so do the others, to stay in order with it.
+            to_serve -= {id(eqn) for eqn, _ in candidates if _is_ordered(eqn)}
         if to_serve:
             lifecycle.ensure_started()
             outfeed.watch_interrupts()

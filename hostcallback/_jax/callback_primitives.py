@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -90,20 +91,21 @@ def _run(callback: Callable, arrays: tuple, device, *, debug: bool) -> Any:
 
 class _LogsAsJax:
     """What JAX's impl logs when a callback raises, on JAX's logger: for a call every time (its
-    computation fails there); for a debug callback the first time only, since the computation
+    computation fails there); for a debug callback at most once a second, since its computation
     runs on to its end and a callback in a loop would flood the log (the receiver's own log
     counts the rest)."""
 
     def __init__(self, logger, message: str, every_time: bool) -> None:
-        self.logger, self.message, self.every_time, self.logged = (
-            logger, message, every_time, False)
+        self.logger, self.message, self.every_time = logger, message, every_time
+        self.last = -float("inf")
 
     def __enter__(self) -> None:
         return None
 
     def __exit__(self, kind, error, traceback) -> bool:
-        if error is not None and (self.every_time or not self.logged):
-            self.logged = True
+        now = time.monotonic()
+        if error is not None and (self.every_time or now - self.last >= 1.0):
+            self.last = now
             self.logger.error(self.message, exc_info=(kind, error, traceback))
         return False
 

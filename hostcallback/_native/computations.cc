@@ -28,13 +28,13 @@ void Prune() {
 }
 }  // namespace
 
-uint64_t RunningComputations::Begin(uint64_t first_sequence) {
+uint64_t RunningComputations::Begin() {
   Prune();
   uint64_t id;
   {
     std::lock_guard<std::mutex> lock(mu_);
     id = next_id_++;
-    running_.emplace(id, Running{first_sequence, std::string()});
+    running_.emplace(id, std::string());
   }
   t_running.emplace_back(this, id);
   return id;
@@ -81,25 +81,23 @@ ComputationsNow RunningComputations::Now() {
   return now;
 }
 
-void RunningComputations::FailRunning(uint64_t sequence, const std::string& why) {
+uint64_t RunningComputations::CurrentOnThisThread() {
+  for (auto it = t_running.rbegin(); it != t_running.rend(); ++it) {
+    if (it->first == this) return it->second;
+  }
+  return kNoComputation;
+}
+
+void RunningComputations::FailRunning(uint64_t id, const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
-  Running* tap_computation = nullptr;
-  for (auto& [id, computation] : running_) {
-    const bool began_before = computation.first_sequence <= sequence;
-    if (began_before && (tap_computation == nullptr ||
-                         computation.first_sequence >= tap_computation->first_sequence)) {
-      tap_computation = &computation;
-    }
-  }
-  if (tap_computation != nullptr && tap_computation->failure.empty()) {
-    tap_computation->failure = why;
-  }
+  auto found = running_.find(id);
+  if (found != running_.end() && found->second.empty()) found->second = why;
 }
 
 std::string RunningComputations::FailureOf(uint32_t id_low_bits) {
   std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& [id, computation] : running_) {
-    if (static_cast<uint32_t>(id) == id_low_bits) return computation.failure;
+  for (const auto& [id, failure] : running_) {
+    if (static_cast<uint32_t>(id) == id_low_bits) return failure;
   }
   return std::string();
 }

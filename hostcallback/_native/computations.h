@@ -16,6 +16,8 @@
 
 namespace hostcallback {
 
+inline constexpr uint64_t kNoComputation = UINT64_MAX;
+
 struct ComputationsNow {
   uint64_t begun = 0;           // ids handed out so far: the next one begins with this id
   uint64_t oldest_running = 0;  // the lowest id still running (begun when none is)
@@ -27,8 +29,10 @@ class RunningComputations {
  public:
   // On the thread that runs the computation, which remembers it while it runs (XLA may end
   // it on another thread: entries of computations no longer running are pruned there).
-  // first_sequence: the sequence number the device's next record will get.
-  uint64_t Begin(uint64_t first_sequence);
+  uint64_t Begin();
+  // The innermost computation of this device this thread began and still holds, or
+  // kNoComputation: the one a tap this thread enqueues now belongs to.
+  uint64_t CurrentOnThisThread();
   bool IsRunning(uint64_t id);
   // Ends the running computation whose id has these low 32 bits (what a computation carries).
   void End(uint32_t id_low_bits);
@@ -37,22 +41,16 @@ class RunningComputations {
   size_t Abandon(uint64_t before_id);
   ComputationsNow Now();
   // A tap whose failure fails its computation (a JAX debug callback served by hostcallback, as
-  // JAX fails the computation) failed: the tap's computation, if it still runs, keeps the first
-  // such reason. Its computation is the last begun before the tap's record (its sequence
-  // number): exact for the computations of one device run one after another; of computations
-  // dispatched from several threads at once, the last to begin before it.
-  void FailRunning(uint64_t sequence, const std::string& why);
+  // JAX fails the computation) failed: its computation (id), if it still runs, keeps the first
+  // such reason for its fence.
+  void FailRunning(uint64_t id, const std::string& why);
   // The reason kept for the running computation whose id has these low 32 bits, or "".
   std::string FailureOf(uint32_t id_low_bits);
 
  private:
   std::mutex mu_;
   uint64_t next_id_ = 0;
-  struct Running {
-    uint64_t first_sequence;
-    std::string failure;  // why it fails ("" while nothing failed it)
-  };
-  std::map<uint64_t, Running> running_;  // by id
+  std::map<uint64_t, std::string> running_;  // id -> why it fails ("" while nothing failed it)
   std::chrono::steady_clock::time_point last_end_{};
   bool ended_any_ = false;
 };

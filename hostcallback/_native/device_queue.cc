@@ -60,6 +60,7 @@ int64_t DeviceQueue::Join(std::unique_lock<std::mutex>& lock, Record& record, bo
     if (expects_response) g_responses.Forget({this, sequence});
     throw;
   }
+  origins_[sequence % kOrigins] = Origin{sequence, computations.CurrentOnThisThread()};
   next_sequence_ += 1;
   if (!expects_response && !IsBarrierMarker(record)) taps_below_ = next_sequence_;
   on_joined();
@@ -253,9 +254,10 @@ std::vector<Record> DeviceQueue::Pop(size_t max_records, size_t max_bytes, doubl
   return out;
 }
 
-uint64_t DeviceQueue::NextSequence() {
+uint64_t DeviceQueue::ComputationOf(uint64_t sequence) {
   std::lock_guard<std::mutex> lock(mu_);
-  return next_sequence_;
+  const Origin& origin = origins_[sequence % kOrigins];
+  return origin.sequence == sequence ? origin.computation : kNoComputation;
 }
 
 uint64_t DeviceQueue::TapsEnqueued() {

@@ -3,6 +3,7 @@
 #ifndef HOSTCALLBACK_NATIVE_DEVICE_QUEUE_H_
 #define HOSTCALLBACK_NATIVE_DEVICE_QUEUE_H_
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -173,8 +174,10 @@ class DeviceQueue {
   // after the last tap is left out: its device has had its answer or given up on it, and a call
   // function that outlives its call must not keep its computation from ending.
   uint64_t TapsEnqueued();
-  // The sequence number the next record will get.
-  uint64_t NextSequence();
+  // The tapped computation (RunningComputations::CurrentOnThisThread when it joined) of the
+  // record with this sequence number, if it is among the last kOrigins to join; else
+  // kNoComputation.
+  uint64_t ComputationOf(uint64_t sequence);
   // The batch the receiver is delivering now (a count of batches handed out), 0 between them;
   // with seconds, how long it has been delivering it.
   uint64_t DeliveringBatch(double* seconds = nullptr);
@@ -236,6 +239,12 @@ class DeviceQueue {
   std::condition_variable not_empty_, not_full_;
   RecordRing records_;
   uint64_t next_sequence_ = 0;
+  struct Origin {
+    uint64_t sequence = kNoComputation;  // no record yet
+    uint64_t computation = kNoComputation;
+  };
+  static constexpr size_t kOrigins = 4096;  // records a failure can still be traced back to
+  std::array<Origin, kOrigins> origins_{};
   // Records below handed_out_ left through Pop; those below handled_ have been handled; the
   // last tap (not a call, not a barrier marker) that joined is below taps_below_.
   uint64_t handed_out_ = 0, handled_ = 0, taps_below_ = 0;

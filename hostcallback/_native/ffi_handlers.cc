@@ -104,7 +104,7 @@ ffi::Error BeginImpl(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
         uint32_t id = 0;
         if (device_ordinal >= 0) {
           DeviceQueue* queue = NativeQueueFor(device_ordinal);
-          id = static_cast<uint32_t>(queue->computations.Begin(queue->NextSequence()));
+          id = static_cast<uint32_t>(queue->computations.Begin());
         }
         for (size_t i = 0; i < rets.size(); ++i) {
           ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);

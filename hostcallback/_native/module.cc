@@ -523,11 +523,14 @@ void DefineModule(nb::module_& m) {
   m.def(
       "fail_running_computations",
       [](int device, uint64_t sequence, const std::string& why, const std::string& platform) {
-        CheckedQueue(platform, device)->computations.FailRunning(sequence, why);
+        DeviceQueue* queue = CheckedQueue(platform, device);
+        const uint64_t computation = queue->ComputationOf(sequence);
+        if (computation != kNoComputation) queue->computations.FailRunning(computation, why);
       },
       nb::arg("device"), nb::arg("sequence"), nb::arg("why"), nb::arg("platform") = kNativePlatform,
-      "A tap that fails its computation failed (its record's sequence number): its computation, "
-      "if it still runs, fails with the reason at its fence (the first reason, if several).");
+      "A tap that fails its computation failed (its record's sequence number): the computation "
+      "that made it, if it still runs, fails with the reason at its fence (the first, if "
+      "several); if that is not known (a record from long ago, or from another thread), none.");
   m.def("computations", &ComputationsOf, nb::arg("device"), nb::arg("platform") = kNativePlatform,
         "The tapped computations of one device: begun (ids handed out), oldest_running (begun "
         "when none runs), running, seconds_since_end (-1 before the first ends).");

@@ -374,6 +374,56 @@ def test_a_raising_callback_fails_its_own_computation_never_a_later_one(served):
         jax.effects_barrier()
 
 
+def test_a_raising_callback_never_fails_a_computation_of_another_thread(served):
+    """B begins on another thread while A computes; then A's callback raises: B is not
+    failed (A is where its tap's thread tells which computation made it; the barrier reports
+    the failure either way)."""
+    heavy = jnp.ones((300, 300)) / 300
+
+    def fails(v):
+        raise ValueError("no good")
+
+    def loop(c, n):
+        return jax.lax.fori_loop(0, n, lambda i, c: jnp.tanh(c @ c), c)
+
+    a = jax.jit(lambda c: (jax.debug.callback(lambda v: None, c[0, 0]),
+                           jax.debug.callback(fails, loop(c, 300)[0, 0]), c)[2])
+    b = jax.jit(lambda c: (jax.debug.callback(lambda v: None, c[0, 0]), loop(c, 600))[1])
+    a.lower(heavy).compile()
+    b(heavy).block_until_ready()  # compiled
+    outcome = {}
+
+    def run(name, program):
+        try:
+            program(heavy).block_until_ready()
+            outcome[name] = "ok"
+        except jax.errors.JaxRuntimeError as error:
+            outcome[name] = str(error)
+
+    thread_a = threading.Thread(target=run, args=("a", a))
+    thread_a.start()
+    time.sleep(0.05)
+    run("b", b)
+    thread_a.join()
+    assert outcome["b"] == "ok"
+    assert outcome["a"] == "ok" or "no good" in outcome["a"]
+    with pytest.raises(hcb.CallbackException, match="no good"):
+        jax.effects_barrier()
+
+
+def test_ordered_callbacks_stay_in_order_when_one_of_them_stays_jaxs(served, capfd):
+    def program(x, key):
+        for i in range(3):
+            jax.debug.print("x {}", x + i, ordered=True)
+            jax.debug.print("key {}", key, ordered=True)  # a PRNG key: JAX's own
+        return x
+
+    jax.jit(program)(jnp.int32(0), jax.random.key(0)).block_until_ready()
+    jax.effects_barrier()
+    lines = capfd.readouterr().out.split()
+    assert [line for line in lines if line in ("x", "key")] == ["x", "key"] * 3
+
+
 def test_with_async_delivery_a_raising_debug_callback_is_raised_at_effects_barrier(served):
     with hcb.config.override(delivery="async"):
         step = jax.jit(lambda x: (jax.debug.callback(fails, x), x + 1)[1])

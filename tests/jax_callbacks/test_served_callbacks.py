@@ -341,7 +341,7 @@ def test_a_raising_debug_callback_is_logged_and_fails_its_computation_as_jaxs_do
         served, caplog):
     step = jax.jit(lambda x: (jax.debug.callback(fails, x), x + 1)[1])
     with caplog.at_level(logging.ERROR), pytest.raises(
-            jax.errors.JaxRuntimeError, match="fails raised on cpu:0: ValueError: no good"):
+            jax.errors.JaxRuntimeError, match="fails raised on .*: ValueError: no good"):
         step(X).block_until_ready()
     assert "jax.debug.callback failed" in caplog.text  # JAX's own log line
     # And once at the barrier (JAX's is not), which a computation without results needs.

@@ -442,11 +442,10 @@ class ReceiverPool:
                                   printable(f"hostcallback call consumer {consumer_name} failed: "
                                             f"{describe_error(error)}"), platform=platform)
         if not is_call and consumer is not None and consumer.fails_computation:
-            # Reported by the computations it fails, and at the barrier too: a computation
+            # Reported by the computation it fails, and at the barrier too: a computation
             # without results, which nobody waits for, would lose it.
             why = f"hostcallback: {consumer_name} raised on {device}: {describe_error(error)}"
-            outfeed.fail_running_computations(ordinal, sequence, printable(why),
-                                              platform=platform)
+            outfeed.fail_tap_computation(ordinal, sequence, printable(why), platform=platform)
         if isinstance(error, KeyboardInterrupt) and not self.exiting:
             _thread.interrupt_main()  # the user pressed Ctrl-C: the main thread must see it
         self.failures.record("call" if is_call else "tap consumer", consumer_name, device,

@@ -3,6 +3,8 @@
 #include "computations.h"
 
 #include <algorithm>
+#include <string>
+#include <utility>
 
 namespace hostcallback {
 
@@ -45,10 +47,12 @@ bool RunningComputations::IsRunning(uint64_t id) {
   return running_.count(id) > 0;
 }
 
-void RunningComputations::End(uint32_t id_low_bits) {
+std::string RunningComputations::End(uint32_t id_low_bits) {
   std::lock_guard<std::mutex> lock(mu_);
+  std::string failure;
   for (auto it = running_.begin(); it != running_.end(); ++it) {
     if (static_cast<uint32_t>(it->first) == id_low_bits) {
+      failure = std::move(it->second);
       running_.erase(it);
       break;
     }
@@ -56,6 +60,7 @@ void RunningComputations::End(uint32_t id_low_bits) {
   last_end_ = std::chrono::steady_clock::now();
   ended_any_ = true;
   Forget(this, id_low_bits);
+  return failure;
 }
 
 size_t RunningComputations::Abandon(uint64_t before_id) {
@@ -92,14 +97,6 @@ void RunningComputations::FailRunning(uint64_t id, const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   auto found = running_.find(id);
   if (found != running_.end() && found->second.empty()) found->second = why;
-}
-
-std::string RunningComputations::FailureOf(uint32_t id_low_bits) {
-  std::lock_guard<std::mutex> lock(mu_);
-  for (const auto& [id, failure] : running_) {
-    if (static_cast<uint32_t>(id) == id_low_bits) return failure;
-  }
-  return std::string();
 }
 
 void EndFailedOnThisThread() {

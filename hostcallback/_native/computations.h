@@ -34,18 +34,17 @@ class RunningComputations {
   // kNoComputation: the one a tap this thread enqueues now belongs to.
   uint64_t CurrentOnThisThread();
   bool IsRunning(uint64_t id);
-  // Ends the running computation whose id has these low 32 bits (what a computation carries).
-  void End(uint32_t id_low_bits);
+  // Ends the running computation whose id has these low 32 bits (what a computation carries);
+  // returns the reason a failing tap of it left (FailRunning), or "".
+  std::string End(uint32_t id_low_bits);
   // Forgets those begun before id that are still running (a computation that failed in a way
   // none of our handlers saw); returns how many.
   size_t Abandon(uint64_t before_id);
   ComputationsNow Now();
   // A tap whose failure fails its computation (a JAX debug callback served by hostcallback, as
   // JAX fails the computation) failed: its computation (id), if it still runs, keeps the first
-  // such reason for its fence.
+  // such reason for its fence (End).
   void FailRunning(uint64_t id, const std::string& why);
-  // The reason kept for the running computation whose id has these low 32 bits, or "".
-  std::string FailureOf(uint32_t id_low_bits);
 
  private:
   std::mutex mu_;

@@ -138,8 +138,7 @@ ffi::Error FenceImpl(int32_t device_ordinal, ffi::RemainingArgs args, ffi::Remai
         ffi::Error handled = AwaitTapsHandled(queue);
         if (!has_id) return handled;
         // A tap that fails its computation (RunningComputations::FailRunning) failed meanwhile.
-        const std::string failure = queue->computations.FailureOf(id);
-        queue->computations.End(id);
+        const std::string failure = queue->computations.End(id);
         if (handled.success() && !failure.empty()) return ffi::Error::Internal(failure);
         return handled;
       },

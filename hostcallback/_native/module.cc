@@ -521,7 +521,7 @@ void DefineModule(nb::module_& m) {
       "Forgets the computations begun before before_id that are still running (they failed "
       "where no handler of ours saw it); returns how many.");
   m.def(
-      "fail_running_computations",
+      "fail_tap_computation",
       [](int device, uint64_t sequence, const std::string& why, const std::string& platform) {
         DeviceQueue* queue = CheckedQueue(platform, device);
         const uint64_t computation = queue->ComputationOf(sequence);

@@ -69,9 +69,8 @@ class Consumer:
     # JAX's served by hostcallback; DEBUG_CALLBACK_API: a JAX debug callback or print served by
     # hostcallback (refused where JAX refuses it: ordered on several devices).
     jax_api: str = ""
-    # A tap whose failure also fails the computations running on its device, at their fence (a
-    # JAX debug callback served by hostcallback, compiled with a fence: JAX fails the
-    # computation).
+    # A tap whose failure also fails the computation that made it, at its fence (a JAX debug
+    # callback served by hostcallback, compiled with a fence: JAX fails the computation).
     fails_computation: bool = False
 
     # A tap function's ``tap_batch`` method (hostcallback._host.batches), taken once; never a

@@ -16,6 +16,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -24,6 +25,7 @@
 #include "ffi_arrays.h"
 #include "record.h"
 #include "responses.h"
+#include "shared_calls.h"
 #include "timeouts.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -158,9 +160,10 @@ ffi::Error ZeroOutputs(ffi::RemainingRets& rets) {
   return ffi::Error::Success();
 }
 
-// A shared call that timed out is said on stderr at once: its devices fail together only after
-// the collective that follows, and where XLA's CPU client left a device out of a collective, XLA
-// ends the process after its own rendezvous limit (40 s) before the error reaches Python.
+// A shared call that timed out is said on stderr at once: where its devices share the answer in
+// an XLA collective (the callback transport, several processes) and XLA's CPU client left a
+// device out of it, XLA ends the process after its own rendezvous limit (40 s) before the error
+// reaches Python.
 void ReportSharedTimeout(const std::string& problem) {
   std::fprintf(stderr,
                "%s (a call shared over the devices of a sharded computation; every "
@@ -239,6 +242,73 @@ ffi::Error CallImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consu
   });
 }
 
+// A call shared over the devices of a sharded computation in this process, met here rather than
+// in XLA's collectives (shared_calls.h): each device's part joins with its own shard of the
+// operands, emit_device's calls the host with all of them, and every part gets the same answer
+// or error. parts: how many devices run the computation; name: the call function's, for errors. The
+// last output is a uint32 set to 1: even a call without results returns something, so that its part
+// is kept.
+ffi::Error SharedCallImpl(int32_t device_ordinal, ffi::RunId run, ffi::ThreadPool pool,
+                          uint64_t consumer_id, int64_t emit_device, int64_t parts,
+                          double timeout_s, std::string_view name, ffi::RemainingArgs args,
+                          ffi::RemainingRets rets) {
+  return Guarded([&]() -> ffi::Error {
+    if (device_ordinal < 0 || parts < 1 || rets.size() < 2) {
+      return ffi::Error::Internal("hostcallback: a shared call on device " +
+                                  std::to_string(device_ordinal) + " of " + std::to_string(parts));
+    }
+    if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) {
+      return ffi::Error::InvalidArgument("hostcallback: " + bad);
+    }
+    std::vector<ArrayView> arrays(args.size());
+    size_t count = 0;
+    if (ffi::Error error = CollectArrays(args, arrays.data(), &count); error.failure()) {
+      return error;
+    }
+    DeviceQueue* queue = NativeQueueFor(static_cast<int>(emit_device));
+    auto call_host = [&](ArrayViews all, double left_s, Response* answer) {
+      return CallHost(queue, static_cast<int>(emit_device), consumer_id, all, left_s, answer,
+                      kFlagExpectsResponse, &pool);
+    };
+    auto take_answer = [&](const Response& answer) -> std::string {  // then a uint32 1
+      std::vector<ffi::AnyBuffer> outputs;
+      for (size_t i = 0; i < rets.size(); ++i) {
+        ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
+        if (!ret.has_value()) return "hostcallback: " + ret.error().message();
+        if ((*ret.value()).element_type() != ffi::DataType::TOKEN) outputs.push_back(*ret.value());
+      }
+      const uint32_t one = 1;
+      if (answer.results.size() + 1 != outputs.size() ||
+          outputs.back().size_bytes() != sizeof(one)) {
+        return "hostcallback: the host's answer does not match the call's result shapes";
+      }
+      for (size_t i = 0; i < answer.results.size(); ++i) {
+        if (answer.results[i].size() != outputs[i].size_bytes()) {
+          return "hostcallback: the host's answer does not match the call's result shapes";
+        }
+        if (!answer.results[i].empty()) {
+          std::memcpy(outputs[i].untyped_data(), answer.results[i].data(),
+                      answer.results[i].size());
+        }
+      }
+      std::memcpy(outputs.back().untyped_data(), &one, sizeof(one));
+      return "";
+    };
+    std::string problem =
+        g_shared_calls.Join(run.run_id, consumer_id, device_ordinal, static_cast<int>(emit_device),
+                            static_cast<size_t>(parts), timeout_s, ArrayViews(arrays.data(), count),
+                            call_host, take_answer);
+    if (problem.empty()) return ffi::Error::Success();
+    if (!name.empty() && problem.find(name) == std::string::npos) {
+      problem += " (the call of " + std::string(name) + ")";
+    }
+    if (problem.rfind(kTimeoutPrefix, 0) == 0 && device_ordinal == emit_device) {
+      ReportSharedTimeout(problem);
+    }
+    return ffi::Error::Internal(problem);
+  });
+}
+
 // After a shared call's results and failure flags were summed over the devices: fails with the
 // call's reason when any device failed, else passes its operands (the flag, then the values)
 // through.
@@ -266,6 +336,13 @@ ffi::Error CheckImpl(uint64_t consumer_id, ffi::RemainingArgs args, ffi::Remaini
   });
 }
 
+// A point in a computation's program order (a call shared over a sharded jit's devices is
+// ordered by it): its results, the token and uint32 zeros, come after its operands.
+ffi::Error OrderImpl(ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  (void)args;  // only what it comes after
+  return Guarded([&]() { return ZeroOutputs(rets); });
+}
+
 // Both taps read the same signature.
 auto TapBinding() {
   return ffi::Ffi::Bind()
@@ -288,6 +365,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackCall, CallImpl,
                                   .Attr<double>("timeout_s")
                                   .RemainingArgs()
                                   .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackSharedCall, SharedCallImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::RunId>()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Attr<uint64_t>("consumer_id")
+                                  .Attr<int64_t>("emit_device")
+                                  .Attr<int64_t>("parts")
+                                  .Attr<double>("timeout_s")
+                                  .Attr<std::string_view>("name")
+                                  .RemainingArgs()
+                                  .RemainingRets());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackOrder, OrderImpl,
+                              ffi::Ffi::Bind().RemainingArgs().RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     HostcallbackCheck, CheckImpl,

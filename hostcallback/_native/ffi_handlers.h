@@ -17,6 +17,16 @@ extern "C" XLA_FFI_Error* HostcallbackTap(XLA_FFI_CallFrame* call_frame);
 // answer and, for a call shared over the devices of a sharded computation, a failure flag.
 extern "C" XLA_FFI_Error* HostcallbackCall(XLA_FFI_CallFrame* call_frame);
 
+// A call shared over the devices of a sharded computation in this process, met in the handler
+// (shared_calls.h): attributes consumer_id, emit_device (the calling device), parts (how many
+// devices), timeout_s, name; operands the token and this device's shard; results the token and the
+// host's answer, then a uint32 1.
+extern "C" XLA_FFI_Error* HostcallbackSharedCall(XLA_FFI_CallFrame* call_frame);
+
+// A point in the program order: operands a token and values; results a token and uint32 zeros
+// that come after them.
+extern "C" XLA_FFI_Error* HostcallbackOrder(XLA_FFI_CallFrame* call_frame);
+
 // A shared call's check after its results and flags were summed: attribute consumer_id.
 extern "C" XLA_FFI_Error* HostcallbackCheck(XLA_FFI_CallFrame* call_frame);
 

@@ -20,6 +20,7 @@
 //   device_queue.{h,cc}  one queue per (platform, device), the table of them, Enqueue;
 //                        what its receiver has handled
 //   responses.{h,cc}     the answers to calls, and sending a call to wait for one
+//   shared_calls.{h,cc}  a call shared by the devices of a sharded computation, met in the handler
 //   ffi_handlers.{h,cc}  the CPU's XLA FFI handlers (tap, call, check, begin, fence)
 //   ffi_arrays.h         the tapped arrays of an FFI call, for every handler
 //   cuda_tap.{h,cc}      the GPU tap: copies and a host function queued on the device's stream
@@ -383,6 +384,8 @@ void DefineModule(nb::module_& m) {
     nb::dict d;
     d["hostcallback_tap"] = nb::capsule(reinterpret_cast<void*>(HostcallbackTap));
     d["hostcallback_call"] = nb::capsule(reinterpret_cast<void*>(HostcallbackCall));
+    d["hostcallback_order"] = nb::capsule(reinterpret_cast<void*>(HostcallbackOrder));
+    d["hostcallback_shared_call"] = nb::capsule(reinterpret_cast<void*>(HostcallbackSharedCall));
     d["hostcallback_check"] = nb::capsule(reinterpret_cast<void*>(HostcallbackCheck));
     d["hostcallback_tap_handled"] = nb::capsule(reinterpret_cast<void*>(HostcallbackTapHandled));
     d["hostcallback_begin"] = nb::capsule(reinterpret_cast<void*>(HostcallbackBegin));

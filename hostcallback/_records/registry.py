@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from jax import tree_util
 
 from hostcallback._native import outfeed
@@ -59,6 +60,10 @@ class Consumer:
     result_avals: tuple = ()
     # A partitioned tap: (device id, transform) pairs; the record's device picks one to append.
     per_device_transforms: tuple = ()
+    # A call shared over a sharded jit's devices whose record holds every device's shards, in
+    # device order (sharded_lowering.lower_shared_call): (the whole values' shapes, per device
+    # the offset of each of its shards), the arrays to assemble them into before the call; or ().
+    gathered: tuple = ()
     # Per leaf, the PRNG implementation of a tapped key array (None for other leaves), or ()
     # when there are none: such a leaf arrives as key data and is handed on as a key array.
     key_impls: tuple = ()
@@ -112,6 +117,8 @@ class Consumer:
     def invoke(self, leaves, device) -> Any:
         """Rebuilds the tapped pytree and calls the consumer the way the legacy API did:
         taps as func(arg, transforms), calls as func(arg), each with device=d when asked."""
+        if self.gathered:
+            leaves = assemble_shards(leaves, *self.gathered)
         arg = self.arg_of(leaves)
         args = (arg,) if self.is_call else (arg, self.transforms_for(device))
         if self.with_device:
@@ -126,6 +133,26 @@ class Consumer:
 
     def with_transform(self, transform: Transform) -> Consumer:
         return dataclasses.replace(self, transforms=self.transforms + (transform,))
+
+
+def assemble_shards(leaves, shapes, offsets) -> list:
+    """The whole values from every device's shards: ``leaves`` holds each device's arrays in
+    turn (one more, ignored, where a call has no operands), ``offsets[device][leaf]`` where each
+    shard starts. A replicated leaf is every device's whole value: the first one is taken."""
+    per_device = len(leaves) // max(len(offsets), 1)
+    whole = []
+    for leaf, shape in enumerate(shapes):
+        first = leaves[leaf]
+        if first.shape == tuple(shape):
+            whole.append(first)
+            continue
+        assembled = np.empty(shape, first.dtype)
+        for device, starts in enumerate(offsets):
+            shard = leaves[device * per_device + leaf]
+            assembled[tuple(slice(s, s + n) for s, n in zip(starts[leaf], shard.shape))] = shard
+        assembled.flags.writeable = False  # as every array a consumer gets
+        whole.append(assembled)
+    return whole
 
 
 def _as_key(key_data, impl: str):
@@ -160,7 +187,8 @@ class ConsumerRegistry:
         key = (_freeze(consumer.func), consumer.treedef, _freeze(consumer.transforms),
                consumer.with_device, _freeze(consumer.metadata), consumer.name,
                consumer.result_treedef, consumer.result_avals,
-               _freeze(consumer.per_device_transforms), consumer.key_impls, consumer.x64,
+               _freeze(consumer.per_device_transforms), consumer.gathered, consumer.key_impls,
+               consumer.x64,
                consumer.jax_api, consumer.fails_computation)
         with self._lock:
             found = self._by_key.get(key)

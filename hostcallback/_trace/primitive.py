@@ -38,6 +38,8 @@ PURE = CallbackFlavor.PURE.value  # JAX may drop such a callback when its result
 _SKIPPED = "skipped"  # the replayed copy of a replays="skip" tap: lowers to nothing
 # shard_callback: the host callback a partitioned tap's shards call (callback transport), or none.
 NO_SHARD_CALLBACK = -1
+# shared_parts: 0, or (one device's part of a call shared over the devices of a sharded jit, met
+# in the native handler: sharded_lowering.lower_shared_call) how many devices share it.
 
 
 def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
@@ -50,7 +52,7 @@ def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
                                emit_device=outfeed.ALL_DEVICES, result_avals=result_avals,
                                timeout_s=timeout_s, flavor=flavor, vmap_method=vmap_method,
                                partitioned=partitioned, replays=replays,
-                               shard_callback=NO_SHARD_CALLBACK)
+                               shard_callback=NO_SHARD_CALLBACK, shared_parts=0)
 
 
 # ---- effects: ProgramOrderEffect by default, OrderedTapEffect for ordered=True, none for PURE;
@@ -269,6 +271,8 @@ def _lowering(ctx, *args, platform, **params):
                 if shard_callback is not None:
                     params["shard_callback"] = shard_callback
                 return sharded_lowering.lower_partitioned(ctx, args, outside_call_p, **params)
+            if is_call and sharded_lowering.meets_in_handler(ctx, emit):
+                return sharded_lowering.lower_shared_call(ctx, args, outside_call_p, **params)
             del params["emit_device"]
             return sharded_lowering.lower_on_one_device(ctx, args, outside_call_p, **params)
     # The token that orders this tap after the previous one: JAX threads it through loops,
@@ -281,7 +285,13 @@ def _lowering(ctx, *args, platform, **params):
     else:
         block = ir.InsertionPoint.current.block
         token = _token_chain(ctx).get(block) or jx.hlo.create_token()
-    if is_call:
+    if is_call and params["shared_parts"]:
+        token, outs = emit.lower_shared_call(ctx, list(args), consumer_id=consumer_id,
+                                       emit_device=emit_device, parts=params["shared_parts"],
+                                       token=token, op_sharding=op_sharding,
+                                       result_avals=result_avals, timeout_s=timeout_s,
+                                       name=registry.get(consumer_id).name)
+    elif is_call:
         token, outs = emit.lower_call(ctx, list(args), consumer_id=consumer_id,
                                 emit_device=emit_device, device_index=params["device_index"],
                                 token=token, op_sharding=op_sharding,

@@ -7,6 +7,11 @@ callback targets, so we build the two forms ourselves:
   which every device sees the whole value and only the device at ``device_index`` enqueues it
   (or, for a call, calls the host; the others get zeros, and a sum over the devices hands every
   device the caller's results, bit for bit).
+- a call on the devices of this process alone (native transport): a custom_partitioning op that
+  leaves the operands where XLA put them and meets in our handler, not in XLA's collectives
+  (lower_shared_call). XLA's CPU client sometimes leaves one device's part of a step unstarted
+  while the others wait in a collective, and ends the process after its rendezvous limit; our
+  handler fails the computation within the call's timeout instead.
 - ``partitioned=True`` (taps): a custom_partitioning op that XLA splits like its operands; each
   device taps its own shard, nothing is gathered, and the consumer learns the shard's place from
   a ``("shard", ...)`` transform.
@@ -23,6 +28,7 @@ from jax.experimental.custom_partitioning import SdyShardingRule, custom_partiti
 from hostcallback import _jax as jx
 from hostcallback._jax import ir, mlir
 from hostcallback._records.registry import registry
+from hostcallback._trace.program_order import ordered_tap_effect, program_order_effect
 from hostcallback._trace.transport import emitter_for, register_lowering
 from hostcallback.flavors import CallbackFlavor
 
@@ -139,6 +145,134 @@ def _share_from_caller(x, axis_name):
     bits = np.dtype(f"uint{8 * dtype.itemsize}")
     summed = jax.lax.psum(jax.lax.bitcast_convert_type(x, bits), axis_name)
     return jax.lax.bitcast_convert_type(summed, dtype)
+
+
+def meets_in_handler(ctx, emit) -> bool:
+    """Whether a call in this sharded jit can meet in the transport's handler: a native one, on
+    devices of this process alone (the handler sees no other), with plain arrays."""
+    devices = ctx.module_context.axis_context.device_assignment
+    return (getattr(emit, "SHARED_CALLS_MEET_IN_HANDLER", False)
+            and all(d.process_index == jax.process_index() for d in devices)
+            and not any(jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
+                        for a in [*ctx.avals_in, *ctx.avals_out]))
+
+
+_DONE = jx.ShapedArray((), np.uint32)  # the last result of a shared call's handler (native.py)
+
+
+def lower_shared_call(ctx, args, outside_call_p, *, device_index, **params):
+    """A call shared over the devices of this sharded jit, met in the handler (module docstring):
+    each device's part brings its own shard of the operands, where XLA put them, and gets the
+    whole answer; the host assembles the shards. Ordered after the taps before it and before
+    those after it by order points on every device (order_p), which carry the token."""
+    devices = ctx.module_context.axis_context.device_assignment
+    emit_device = devices[device_index].id
+    consumer_id, result_avals = params.pop("consumer_id"), tuple(params.pop("result_avals"))
+    params.pop("emit_device")
+    effect = ordered_tap_effect if params["ordered"] else program_order_effect
+    threaded = effect in ctx.tokens_in.effects()
+    # Inside the op nothing threads tokens: the order points do, around it.
+    params.update(flavor=CallbackFlavor.PURE.value, ordered=False)
+    tokens = ctx.tokens_in
+    operands, operand_avals = list(args), _plain(ctx.avals_in)
+    if threaded or not operands:  # one more operand: what orders it, or what XLA partitions by
+        if threaded:
+            (after_taps,), tokens = _on_every_device(
+                ctx, tokens, lambda: order_p.bind(effect=effect), [], [], [_DONE])
+        else:
+            after_taps = mlir.ir_constant(np.uint32(0))
+        operands.append(after_taps)
+        operand_avals.append(_DONE)
+
+    def call_whole(*xs):  # what the op means; XLA asks partition() how to run it per device
+        return tuple(outside_call_p.bind(
+            *xs, consumer_id=consumer_id, device_index=device_index,
+            emit_device=emit_device, result_avals=(*result_avals, _DONE), **params))
+
+    def partition(mesh, arg_shapes, result_shape):
+        shardings = tuple(a.sharding for a in arg_shapes)
+        shapes = tuple(a.shape for a in arg_shapes)[:len(args)]
+        parts = sorted(shardings[0].device_set, key=lambda d: d.id)
+        offsets = tuple(shard_transform(shardings[:len(args)], shapes, d)[1]["offset"]
+                        for d in parts) if args else ()
+        consumer = registry.get(consumer_id)
+        gather_id = registry.register(dataclasses.replace(consumer, gathered=(shapes, offsets)))
+
+        def call_with_own_shard(*shards):
+            return tuple(outside_call_p.bind(
+                *shards, consumer_id=gather_id, device_index=device_index,
+                emit_device=emit_device, result_avals=(*result_avals, _DONE),
+                **dict(params, shared_parts=len(parts))))
+
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        return (mesh, call_with_own_shard, tuple(replicated for _ in result_shape), shardings)
+
+    def replicated_results(mesh, arg_shapes, result_shape):
+        return tuple(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+                     for _ in result_shape)
+
+    operand_factors = tuple(tuple(f"a{leaf}d{dim}" for dim in range(a.ndim))
+                            for leaf, a in enumerate(operand_avals))
+    result_factors = tuple(tuple(f"r{leaf}d{dim}" for dim in range(a.ndim))
+                           for leaf, a in enumerate((*result_avals, _DONE)))
+    op = custom_partitioning(call_whole)
+    op.def_partition(
+        partition=partition, infer_sharding_from_operands=replicated_results,
+        sharding_rule=SdyShardingRule(operand_mappings=operand_factors,
+                                      result_mappings=result_factors))
+    op_ctx = dataclasses.replace(ctx, avals_in=operand_avals,
+                                 avals_out=[*_plain(result_avals), _DONE])
+    *outs, done = mlir.lower_fun(lambda *xs: list(op(*xs)), multiple_results=True)(op_ctx,
+                                                                                   *operands)
+    # custom_partitioning's op declares no side effect; a call whose result is unused must stay.
+    done.owner.attributes["has_side_effect"] = ir.BoolAttr.get(True)
+    jx.add_host_callback(ctx, _never_called)  # runs synchronously on CPU (native.lower_call)
+    if threaded:  # the taps after it come after its answer, on every device
+        _, tokens = _on_every_device(ctx, tokens, lambda d: order_p.bind(d, effect=effect),
+                                     [done], [_DONE], [_DONE])
+    ctx.set_tokens_out(tokens)
+    return outs
+
+
+def _on_every_device(ctx, tokens_in, fn, args, avals_in, avals_out):
+    """fn(*args) lowered on every device of the computation, each on its own whole copy (a
+    shard_map region, which threads the effects' tokens): (results, tokens after it)."""
+    devices = ctx.module_context.axis_context.device_assignment
+    mesh_devices = np.empty(len(devices), dtype=object)
+    mesh_devices[:] = list(devices)
+    mesh = jax.sharding.Mesh(mesh_devices, ("_hostcallback_devices",))
+    region_ctx = dataclasses.replace(ctx, avals_in=avals_in, avals_out=avals_out,
+                                     tokens_in=tokens_in, tokens_out=None)
+    replicated = jax.sharding.PartitionSpec()
+    with jx.outside_abstract_mesh():  # see lower_on_one_device
+        region = jax.shard_map(lambda *xs: tuple(fn(*xs)), mesh=mesh,
+                               in_specs=(replicated,) * len(args),
+                               out_specs=(replicated,) * len(avals_out), check_vma=False)
+        outs = mlir.lower_fun(region, multiple_results=True)(region_ctx, *args)
+    return outs, region_ctx.tokens_out or tokens_in
+
+
+# A point in the program order on one device: a uint32 zero after the taps before it, or, given
+# values, only the token, after them (native.lower_order).
+order_p = jx.Primitive("hostcallback_order")
+order_p.multiple_results = True
+order_p.def_effectful_abstract_eval(lambda *values, effect: ([_DONE], {effect}))
+
+
+def _order_lowering(ctx, *values, effect, platform):
+    token, zero = emitter_for("native", platform).lower_order(
+        ctx, list(values), token=ctx.tokens_in.get(effect),
+        op_sharding=manual_sharding([0, 0]) if isinstance(ctx.module_context.axis_context,
+                                                          jx.SPMDAxisContext) else None)
+    ctx.set_tokens_out(ctx.tokens_in.update_tokens(mlir.TokenSet({effect: token})))
+    return [zero]
+
+
+register_lowering(order_p, _order_lowering)
+
+
+def _never_called(*args):
+    raise AssertionError("hostcallback's placeholder host callback was called")
 
 
 def shard_transform(shardings, global_shapes, device) -> tuple:

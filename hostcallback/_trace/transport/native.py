@@ -17,6 +17,8 @@ from hostcallback._native import ffi_api, outfeed
 TAP_TARGET = "hostcallback_tap"
 TAP_HANDLED_TARGET = "hostcallback_tap_handled"  # a tap that returns once it was handled
 CALL_TARGET = "hostcallback_call"
+SHARED_CALL_TARGET = "hostcallback_shared_call"  # a call met by every device in the handler
+ORDER_TARGET = "hostcallback_order"  # a point in the program order (orders a shared call)
 CHECK_TARGET = "hostcallback_check"
 
 # The CUDA platform's handlers (the GPU tap) take effect once JAX's CUDA plugin starts; a process
@@ -38,6 +40,12 @@ if ffi_api.MISMATCH is None:  # a registration jaxlib refuses would take its CPU
 _lower_tap = jax.ffi.ffi_lowering(TAP_TARGET, has_side_effect=True)
 _lower_call = jax.ffi.ffi_lowering(CALL_TARGET, has_side_effect=True)
 _lower_check = jax.ffi.ffi_lowering(CHECK_TARGET, has_side_effect=True)
+_lower_shared_call = jax.ffi.ffi_lowering(SHARED_CALL_TARGET, has_side_effect=True)
+_lower_order = jax.ffi.ffi_lowering(ORDER_TARGET, has_side_effect=True)
+
+# A call shared over the devices of a sharded jit meets in this transport's handler
+# (sharded_lowering.lower_shared_call), not in XLA's collectives.
+SHARED_CALLS_MEET_IN_HANDLER = True
 
 
 def lower_tap(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, token,
@@ -80,6 +88,37 @@ def lower_call(ctx, args, *, consumer_id: int, emit_device: int, device_index: i
     if op_sharding is not None:
         jx.set_sharding(ctx.module_context, token_out.owner, op_sharding)
     return token_out, results
+
+
+def lower_shared_call(ctx, args, *, consumer_id: int, emit_device: int, parts: int, token,
+                      op_sharding, result_avals, timeout_s: float, name: str):
+    """One device's part of a call shared by ``parts`` devices: it brings its shard of ``args``,
+    emit_device's part calls the host with every part's, and each part returns the same answer
+    (its last result, a uint32, is 1) or fails with the same error, which names the call
+    function (``name``): (token, *results)."""
+    jx.add_host_callback(ctx, _never_called)  # runs synchronously on CPU, as lower_call says
+    call_ctx = dataclasses.replace(ctx, avals_in=[jx.abstract_token, *ctx.avals_in],
+                                   avals_out=[jx.abstract_token, *result_avals])
+    token_out, *results = _lower_shared_call(
+        call_ctx, token, *args, consumer_id=np.uint64(consumer_id),
+        emit_device=np.int64(emit_device), parts=np.int64(parts),
+        timeout_s=np.float64(timeout_s), name=name)
+    if op_sharding is not None:
+        jx.set_sharding(ctx.module_context, token_out.owner, op_sharding)
+    return token_out, results
+
+
+def lower_order(ctx, values, *, token, op_sharding):
+    """(token, a uint32 zero), both after ``token`` and ``values``."""
+    order_ctx = dataclasses.replace(ctx, avals_in=[jx.abstract_token, *ctx.avals_in],
+                                    avals_out=[jx.abstract_token, _ZERO])
+    token_out, zero = _lower_order(order_ctx, token, *values)
+    if op_sharding is not None:
+        jx.set_sharding(ctx.module_context, token_out.owner, op_sharding)
+    return token_out, zero
+
+
+_ZERO = jx.ShapedArray((), np.uint32)
 
 
 def lower_check(ctx, failed, values, *, consumer_id: int, op_sharding):

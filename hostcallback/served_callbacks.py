@@ -207,7 +207,8 @@ def _as_outside_call(eqn, served_primitive):
         result_avals=tuple(v.aval for v in eqn.outvars) if is_call else None, timeout_s=0.0,
         flavor=flavor.value, vmap_method=params.get("vmap_method") if is_call else None,
         partitioned=bool(params.get("partitioned", False)), replays="deliver",
-        shard_callback=NO_SHARD_CALLBACK, shared_parts=0)
+        shard_callback=NO_SHARD_CALLBACK, shared_parts=(),
+        shared_sends=())
     # A tap returns its operands: outputs of its own that nothing reads.
     outvars = list(eqn.outvars) if is_call else [jx.Var(aval) for aval in in_avals]
     return eqn.replace(primitive=outside_call_p, params=new_params, outvars=outvars,

@@ -8,6 +8,7 @@
 
 #include "ffi_handlers.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -245,25 +246,39 @@ ffi::Error CallImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consu
 // A call shared over the devices of a sharded computation in this process, met here rather than
 // in XLA's collectives (shared_calls.h): each device's part joins with its own shard of the
 // operands, emit_device's calls the host with all of them, and every part gets the same answer
-// or error. parts: how many devices run the computation; name: the call function's, for errors. The
+// or error. ordinals: the devices that run the computation, in the order the host gets their
+// shards; sends[p * operands + i]: whether the p-th sends operand i (one device of those that
+// hold the same shard); name: the call function's, for errors. The
 // last output is a uint32 set to 1: even a call without results returns something, so that its part
 // is kept.
 ffi::Error SharedCallImpl(int32_t device_ordinal, ffi::RunId run, ffi::ThreadPool pool,
-                          uint64_t consumer_id, int64_t emit_device, int64_t parts,
+                          uint64_t consumer_id, int64_t emit_device,
+                          ffi::Span<const int64_t> ordinals, ffi::Span<const int64_t> sends,
                           double timeout_s, std::string_view name, ffi::RemainingArgs args,
                           ffi::RemainingRets rets) {
   return Guarded([&]() -> ffi::Error {
-    if (device_ordinal < 0 || parts < 1 || rets.size() < 2) {
+    const size_t parts = ordinals.size();
+    const auto own = std::find(ordinals.begin(), ordinals.end(), int64_t{device_ordinal});
+    if (own == ordinals.end() || rets.size() < 2) {
       return ffi::Error::Internal("hostcallback: a shared call on device " +
-                                  std::to_string(device_ordinal) + " of " + std::to_string(parts));
+                                  std::to_string(device_ordinal) + ", not one of its devices");
     }
     if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) {
       return ffi::Error::InvalidArgument("hostcallback: " + bad);
     }
-    std::vector<ArrayView> arrays(args.size());
+    std::vector<ArrayView> operands(args.size());
     size_t count = 0;
-    if (ffi::Error error = CollectArrays(args, arrays.data(), &count); error.failure()) {
+    if (ffi::Error error = CollectArrays(args, operands.data(), &count); error.failure()) {
       return error;
+    }
+    if (sends.size() != parts * count) {
+      return ffi::Error::Internal("hostcallback: a shared call's sends do not match its operands");
+    }
+    // Only the operands this device sends: another device sends a shard it holds as well.
+    const size_t first = static_cast<size_t>(own - ordinals.begin()) * count;
+    std::vector<ArrayView> arrays;
+    for (size_t i = 0; i < count; ++i) {
+      if (sends[first + i] != 0) arrays.push_back(operands[i]);
     }
     DeviceQueue* queue = NativeQueueFor(static_cast<int>(emit_device));
     auto call_host = [&](ArrayViews all, double left_s, Response* answer) {
@@ -296,8 +311,7 @@ ffi::Error SharedCallImpl(int32_t device_ordinal, ffi::RunId run, ffi::ThreadPoo
     };
     std::string problem =
         g_shared_calls.Join(run.run_id, consumer_id, device_ordinal, static_cast<int>(emit_device),
-                            static_cast<size_t>(parts), timeout_s, ArrayViews(arrays.data(), count),
-                            call_host, take_answer);
+                            parts, timeout_s, ArrayViews(arrays), call_host, take_answer);
     if (problem.empty()) return ffi::Error::Success();
     if (!name.empty() && problem.find(name) == std::string::npos) {
       problem += " (the call of " + std::string(name) + ")";
@@ -373,7 +387,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackSharedCall, SharedCallImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Attr<uint64_t>("consumer_id")
                                   .Attr<int64_t>("emit_device")
-                                  .Attr<int64_t>("parts")
+                                  .Attr<ffi::Span<const int64_t>>("ordinals")
+                                  .Attr<ffi::Span<const int64_t>>("sends")
                                   .Attr<double>("timeout_s")
                                   .Attr<std::string_view>("name")
                                   .RemainingArgs()

@@ -18,9 +18,9 @@ extern "C" XLA_FFI_Error* HostcallbackTap(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* HostcallbackCall(XLA_FFI_CallFrame* call_frame);
 
 // A call shared over the devices of a sharded computation in this process, met in the handler
-// (shared_calls.h): attributes consumer_id, emit_device (the calling device), parts (how many
-// devices), timeout_s, name; operands the token and this device's shard; results the token and the
-// host's answer, then a uint32 1.
+// (shared_calls.h): attributes consumer_id, emit_device (the calling device), ordinals (its
+// devices), sends (which device sends which operand), timeout_s, name; operands the token and
+// this device's shard; results the token and the host's answer, then a uint32 1.
 extern "C" XLA_FFI_Error* HostcallbackSharedCall(XLA_FFI_CallFrame* call_frame);
 
 // A point in the program order: operands a token and values; results a token and uint32 zeros

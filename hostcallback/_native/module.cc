@@ -69,6 +69,7 @@
 #include "pinned_pool.h"
 #include "record.h"
 #include "responses.h"
+#include "shared_calls.h"
 #include "timeouts.h"
 #include "xla/ffi/api/c_api.h"
 
@@ -537,6 +538,10 @@ void DefineModule(nb::module_& m) {
   m.def("computations", &ComputationsOf, nb::arg("device"), nb::arg("platform") = kNativePlatform,
         "The tapped computations of one device: begun (ids handed out), oldest_running (begun "
         "when none runs), running, seconds_since_end (-1 before the first ends).");
+  m.def(
+      "shared_calls_kept", []() { return g_shared_calls.Open(); },
+      "Calls shared by a sharded jit's devices kept now: waiting for a part or the host, or "
+      "for a part to take the outcome (0 once every call's parts came and left).");
   m.def("reset_peak_bytes_queued", &ResetPeak, nb::arg("device"),
         nb::arg("platform") = kNativePlatform,
         "Starts peak_bytes_queued again from what is queued now.");

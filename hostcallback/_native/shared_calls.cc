@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <iterator>
 #include <utility>
 
+#include "device_queue.h"
 #include "interrupts.h"
 #include "timeouts.h"
 
@@ -32,23 +34,33 @@ std::string InterruptedMessage(const std::string& interrupted) {
 }  // namespace
 
 uint64_t SharedCalls::NextOccurrence(int64_t run_id, uint64_t consumer_id, int device) {
-  // Under mu_. A part of a run still calling after kRunsKept newer (run, call, device) triples
-  // restarts at 0: it then meets no other part and fails after its patience, never taking
-  // another occurrence's answer (that one has been taken by then).
-  const auto part = std::make_tuple(run_id, consumer_id, device);
-  auto [found, made] = occurrences_.try_emplace(part, 0);
-  if (made) {
-    occurrence_order_.push_back(part);
-    if (occurrence_order_.size() > kRunsKept) {
-      occurrences_.erase(occurrence_order_.front());
-      occurrence_order_.pop_front();
-    }
+  // Under mu_. A part unused while kPartsKept others were used restarts at 0: it then meets no
+  // other part and fails after its patience, never taking another occurrence's answer.
+  const Part part{run_id, consumer_id, device};
+  auto found = occurrences_.find(part);
+  if (found != occurrences_.end()) {
+    recent_parts_.splice(recent_parts_.end(), recent_parts_, found->second.second);
+    return found->second.first++;
   }
-  return found->second++;
+  recent_parts_.push_back(part);
+  occurrences_.emplace(part, std::make_pair(uint64_t{1}, std::prev(recent_parts_.end())));
+  if (recent_parts_.size() > kPartsKept) {
+    occurrences_.erase(recent_parts_.front());
+    recent_parts_.pop_front();
+  }
+  return 0;
 }
 
 void SharedCalls::Decide(const Key& key, Call& call, std::string error, Response answer) {
   call.decided = true;
+  if (!error.empty()) {
+    const auto run_call = std::make_pair(std::get<0>(key), std::get<1>(key));
+    if (failures_.emplace(run_call, error).second) failure_order_.push_back(run_call);
+    if (failure_order_.size() > kFailuresKept) {
+      failures_.erase(failure_order_.front());
+      failure_order_.pop_front();
+    }
+  }
   call.error = std::move(error);
   call.answer = std::move(answer);
   if (!call.calling) call.shards.clear();  // the host will not be called: nothing reads them
@@ -70,13 +82,7 @@ std::string SharedCalls::Join(int64_t run_id, uint64_t consumer_id, int device, 
                               size_t parts, double timeout_s, ArrayViews shard,
                               const HostCaller& call_host, const AnswerTaker& take_answer) {
   using Seconds = std::chrono::duration<double>;
-  std::vector<OwnedArray> own;  // copied: the calling part reads it after this part has left
-  own.reserve(shard.size());
-  for (const ArrayView& view : shard) {
-    const auto* bytes = static_cast<const uint8_t*>(view.data);
-    own.push_back({view.dtype, std::vector<int64_t>(view.dims, view.dims + view.ndim),
-                   std::vector<uint8_t>(bytes, bytes + view.byte_size)});
-  }
+  if (InForkedChild()) return kForkedMessage;  // taking no lock (device_queue.h)
   const bool forever = WaitsForever(timeout_s);
   // The parts wait for each other this long, then for the host what is left of timeout_s: both
   // from the first part's arrival.
@@ -89,57 +95,73 @@ std::string SharedCalls::Join(int64_t run_id, uint64_t consumer_id, int device, 
   if (made) {
     call.parts = parts;
     call.started = Clock::now();
+    // A part of a call that failed and was dropped since: the same outcome, at once.
+    auto failed = failures_.find({run_id, consumer_id});
+    if (failed != failures_.end()) Decide(key, call, failed->second, {});
   }
   ++call.inside;
   if (!call.decided) {
-    call.shards[device] = std::move(own);
+    // Views of this part's operands: it stays here while the calling part may read them.
+    call.shards[device].assign(shard.begin(), shard.end());
     cv_.notify_all();
   }
   auto left_of = [&](double limit_s) {  // > 0: a spent limit must not mean "forever"
     return std::max(limit_s - Seconds(Clock::now() - call.started).count(), kAtOnceSeconds);
   };
+  // 1. Every part waits until all have come, or the outcome is decided without them.
   std::string interrupted;
   auto all_here = [&] { return call.decided || call.shards.size() >= call.parts; };
   if (!WaitInterruptibly(cv_, lock, left_of(patience), all_here, &interrupted) ||
       !interrupted.empty()) {
-    if (!call.decided) {
+    if (!call.decided && !call.calling) {
       Decide(key, call,
              interrupted.empty() ? PartsMissingMessage(call.shards.size(), call.parts, patience)
                                  : InterruptedMessage(interrupted),
              {});
     }
   }
-  if (!call.decided && device == emit_device) {  // every part is here: call the host
+  // 2. The calling part calls the host with every shard, in device order, within what is left
+  // of the timeout, and decides. The others wait for that: the host call reads their operands.
+  if (!call.decided && device == emit_device) {
     std::vector<ArrayView> views;
     for (const auto& [part_device, arrays] : call.shards) {
-      for (const OwnedArray& array : arrays) {
-        views.push_back({array.dtype, array.dims.data(), array.dims.size(), array.bytes.data(),
-                         array.bytes.size()});
-      }
+      views.insert(views.end(), arrays.begin(), arrays.end());
     }
     call.calling = true;
     const double host_timeout = forever ? timeout_s : left_of(timeout_s);
     lock.unlock();
     Response answer;
-    std::string why = call_host(ArrayViews(views), host_timeout, &answer);
-    if (why.empty()) why = answer.error;
+    std::string why;
+    try {
+      why = call_host(ArrayViews(views), host_timeout, &answer);
+      if (why.empty()) why = answer.error;
+      // The host had what was left of the timeout; the message names the whole of it.
+      if (why.rfind(kTimeoutPrefix, 0) == 0) why = TimeoutMessage(timeout_s);
+    } catch (const std::bad_alloc&) {  // the others must not wait for an outcome never decided
+      why = "hostcallback: out of host memory for a call record";
+    } catch (const std::exception& e) {
+      why = std::string("hostcallback: ") + e.what();
+    }
     lock.lock();
     call.calling = false;
     call.shards.clear();
     if (!call.decided) Decide(key, call, std::move(why), std::move(answer));
-  } else if (!call.decided) {  // every part is here: wait for the calling part's outcome
-    auto decided = [&] { return call.decided; };
-    if (!WaitInterruptibly(cv_, lock, forever ? timeout_s : left_of(timeout_s), decided,
-                           &interrupted) ||
-        !interrupted.empty()) {
-      if (!call.decided) {
-        Decide(key, call,
-               interrupted.empty() ? TimeoutMessage(timeout_s) : InterruptedMessage(interrupted),
-               {});
-      }
+  } else {
+    cv_.wait(lock, [&] { return call.decided && !call.calling; });
+  }
+  // 3. Every part takes the same outcome; the answer is copied out with the lock released (the
+  // call stays while a part is inside, and its outcome no longer changes).
+  std::string outcome = call.error;
+  const Response& answer = call.answer;
+  lock.unlock();
+  if (outcome.empty()) {
+    try {
+      outcome = take_answer(answer);
+    } catch (const std::exception& e) {
+      outcome = std::string("hostcallback: ") + e.what();
     }
   }
-  std::string outcome = call.error.empty() ? take_answer(call.answer) : call.error;
+  lock.lock();
   --call.inside;
   ++call.taken;
   if (call.inside == 0 && (call.taken == call.parts || call.forgotten)) calls_.erase(entry);
@@ -148,9 +170,7 @@ std::string SharedCalls::Join(int64_t run_id, uint64_t consumer_id, int device, 
 
 size_t SharedCalls::Open() {
   std::lock_guard<std::mutex> lock(mu_);
-  size_t open = 0;
-  for (const auto& [key, call] : calls_) open += call.decided ? 0 : 1;
-  return open;
+  return calls_.size();
 }
 
 SharedCalls& g_shared_calls = *new SharedCalls();

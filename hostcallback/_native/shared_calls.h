@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <list>
 #include <map>
 #include <mutex>
 #include <string>
@@ -34,35 +35,32 @@ inline constexpr double kPartsPatienceSeconds = 40;
 // answer: CallHost on the calling device's queue.
 using HostCaller = std::function<std::string(ArrayViews arrays, double timeout_s, Response*)>;
 
-// Copies the answer into one part's outputs (under the table's lock); returns why it cannot.
+// Copies the answer into one part's outputs; returns why it cannot.
 using AnswerTaker = std::function<std::string(const Response&)>;
 
 class SharedCalls {
  public:
   // One device's part joins the call of consumer_id made by its execution run_id (its n-th one
-  // there, n counted per device), with its shard, and waits for the outcome. Returns "" once
-  // take_answer took the answer, or why there is none. call_host runs on emit_device's part.
+  // there, n counted per device), with views of its shard, and waits for the outcome (the part
+  // stays while the host call may read its shard). Returns "" once take_answer took the
+  // answer, or why there is none. call_host runs on emit_device's part.
   std::string Join(int64_t run_id, uint64_t consumer_id, int device, int emit_device, size_t parts,
                    double timeout_s, ArrayViews shard, const HostCaller& call_host,
                    const AnswerTaker& take_answer);
 
-  // Calls still waiting for some part or for the host (for tests: 0 when all have ended).
+  // Calls kept now: waiting for some part or for the host, or decided and waiting for a part to
+  // take the outcome (for tests: 0 once every call's parts all came and left).
   size_t Open();
 
  private:
   using Clock = std::chrono::steady_clock;
   using Key = std::tuple<int64_t, uint64_t, uint64_t>;  // run id, consumer id, occurrence
 
-  struct OwnedArray {
-    uint8_t dtype;
-    std::vector<int64_t> dims;
-    std::vector<uint8_t> bytes;
-  };
   struct Call {
     size_t parts = 0;
-    Clock::time_point started;                      // the first part's arrival
-    std::map<int, std::vector<OwnedArray>> shards;  // by device
-    bool calling = false;                           // the host call reads the shards
+    Clock::time_point started;                     // the first part's arrival
+    std::map<int, std::vector<ArrayView>> shards;  // by device: views of its operands
+    bool calling = false;                          // the host call reads the shards: no part leaves
     bool decided = false;
     std::string error;
     Response answer;
@@ -70,6 +68,8 @@ class SharedCalls {
     size_t taken = 0;        // parts that took the outcome
     bool forgotten = false;  // dropped from decided_ while parts were inside: the last erases it
   };
+
+  using Part = std::tuple<int64_t, uint64_t, int>;  // run id, consumer id, device
 
   uint64_t NextOccurrence(int64_t run_id, uint64_t consumer_id, int device);
   // Under mu_: the outcome is decided.
@@ -81,11 +81,16 @@ class SharedCalls {
   // Decided calls, newest last: the oldest are dropped, so a call some part never came to
   // (XLA never started it) is not kept for good.
   std::deque<Key> decided_;
-  // Per (run, consumer, device): how many calls that part has made; the newest kRunsKept.
-  std::map<std::tuple<int64_t, uint64_t, int>, uint64_t> occurrences_;
-  std::deque<std::tuple<int64_t, uint64_t, int>> occurrence_order_;
-  static constexpr size_t kRunsKept = 4096;
+  // Per part: how many calls it has made; the kPartsKept used last (least recently used last).
+  std::list<Part> recent_parts_;
+  std::map<Part, std::pair<uint64_t, std::list<Part>::iterator>> occurrences_;
+  // Why a (run, consumer) call failed, for a part that comes after its call was dropped: it
+  // fails at once rather than wait alone. The newest kFailuresKept.
+  std::map<std::pair<int64_t, uint64_t>, std::string> failures_;
+  std::deque<std::pair<int64_t, uint64_t>> failure_order_;
+  static constexpr size_t kPartsKept = 4096;
   static constexpr size_t kDecidedKept = 256;
+  static constexpr size_t kFailuresKept = 4096;
 };
 
 // Never destroyed (see the rules at the top of module.cc).

@@ -60,9 +60,9 @@ class Consumer:
     result_avals: tuple = ()
     # A partitioned tap: (device id, transform) pairs; the record's device picks one to append.
     per_device_transforms: tuple = ()
-    # A call shared over a sharded jit's devices whose record holds every device's shards, in
-    # device order (sharded_lowering.lower_shared_call): (the whole values' shapes, per device
-    # the offset of each of its shards), the arrays to assemble them into before the call; or ().
+    # A call shared over a sharded jit's devices whose record holds the devices' shards
+    # (sharded_lowering.lower_shared_call): (the whole values' shapes, per shard in the record
+    # its leaf and offset), the arrays to assemble them into before the call; or ().
     gathered: tuple = ()
     # Per leaf, the PRNG implementation of a tapped key array (None for other leaves), or ()
     # when there are none: such a leaf arrives as key data and is handed on as a key array.
@@ -135,23 +135,21 @@ class Consumer:
         return dataclasses.replace(self, transforms=self.transforms + (transform,))
 
 
-def assemble_shards(leaves, shapes, offsets) -> list:
-    """The whole values from every device's shards: ``leaves`` holds each device's arrays in
-    turn (one more, ignored, where a call has no operands), ``offsets[device][leaf]`` where each
-    shard starts. A replicated leaf is every device's whole value: the first one is taken."""
-    per_device = len(leaves) // max(len(offsets), 1)
-    whole = []
-    for leaf, shape in enumerate(shapes):
-        first = leaves[leaf]
-        if first.shape == tuple(shape):
-            whole.append(first)
+def assemble_shards(leaves, shapes, pieces) -> list:
+    """The whole values from the shards a shared call's devices sent: ``pieces[k]`` is
+    (leaf, offset of its first element) of ``leaves[k]``. A shard that is the whole value is
+    taken as it is."""
+    whole: list = [None] * len(shapes)
+    for shard, (leaf, starts) in zip(leaves, pieces):
+        shape = tuple(shapes[leaf])
+        if shard.shape == shape:
+            whole[leaf] = shard
             continue
-        assembled = np.empty(shape, first.dtype)
-        for device, starts in enumerate(offsets):
-            shard = leaves[device * per_device + leaf]
-            assembled[tuple(slice(s, s + n) for s, n in zip(starts[leaf], shard.shape))] = shard
-        assembled.flags.writeable = False  # as every array a consumer gets
-        whole.append(assembled)
+        if whole[leaf] is None:
+            whole[leaf] = np.empty(shape, shard.dtype)
+        whole[leaf][tuple(slice(s, s + n) for s, n in zip(starts, shard.shape))] = shard
+    for value in whole:
+        value.flags.writeable = False  # as every array a consumer gets
     return whole
 
 

@@ -38,8 +38,9 @@ PURE = CallbackFlavor.PURE.value  # JAX may drop such a callback when its result
 _SKIPPED = "skipped"  # the replayed copy of a replays="skip" tap: lowers to nothing
 # shard_callback: the host callback a partitioned tap's shards call (callback transport), or none.
 NO_SHARD_CALLBACK = -1
-# shared_parts: 0, or (one device's part of a call shared over the devices of a sharded jit, met
-# in the native handler: sharded_lowering.lower_shared_call) how many devices share it.
+# shared_parts: (), or (one device's part of a call shared over the devices of a sharded jit, met
+# in the native handler: sharded_lowering.lower_shared_call) the ids of the devices that share
+# it, and shared_sends which of them sends which operand.
 
 
 def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
@@ -52,7 +53,8 @@ def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
                                emit_device=outfeed.ALL_DEVICES, result_avals=result_avals,
                                timeout_s=timeout_s, flavor=flavor, vmap_method=vmap_method,
                                partitioned=partitioned, replays=replays,
-                               shard_callback=NO_SHARD_CALLBACK, shared_parts=0)
+                               shard_callback=NO_SHARD_CALLBACK, shared_parts=(),
+                               shared_sends=())
 
 
 # ---- effects: ProgramOrderEffect by default, OrderedTapEffect for ordered=True, none for PURE;
@@ -288,6 +290,7 @@ def _lowering(ctx, *args, platform, **params):
     if is_call and params["shared_parts"]:
         token, outs = emit.lower_shared_call(ctx, list(args), consumer_id=consumer_id,
                                        emit_device=emit_device, parts=params["shared_parts"],
+                                       sends=params["shared_sends"],
                                        token=token, op_sharding=op_sharding,
                                        result_avals=result_avals, timeout_s=timeout_s,
                                        name=registry.get(consumer_id).name)

@@ -190,21 +190,22 @@ def lower_shared_call(ctx, args, outside_call_p, *, device_index, **params):
             emit_device=emit_device, result_avals=(*result_avals, _DONE), **params))
 
     def partition(mesh, arg_shapes, result_shape):
-        shardings = tuple(a.sharding for a in arg_shapes)
-        shapes = tuple(a.shape for a in arg_shapes)[:len(args)]
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        # A leaf XLA splits unevenly (padded shards) is gathered by XLA first: the host could
+        # not place padded shards.
+        shardings = tuple(a.sharding if _splits_evenly(a) else replicated for a in arg_shapes)
         parts = sorted(shardings[0].device_set, key=lambda d: d.id)
-        offsets = tuple(shard_transform(shardings[:len(args)], shapes, d)[1]["offset"]
-                        for d in parts) if args else ()
-        consumer = registry.get(consumer_id)
-        gather_id = registry.register(dataclasses.replace(consumer, gathered=(shapes, offsets)))
+        plan = _send_plan(shardings, [a.shape for a in arg_shapes], parts, len(args))
+        gather_id = registry.register(dataclasses.replace(
+            registry.get(consumer_id), gathered=plan.gathered))
 
         def call_with_own_shard(*shards):
             return tuple(outside_call_p.bind(
                 *shards, consumer_id=gather_id, device_index=device_index,
                 emit_device=emit_device, result_avals=(*result_avals, _DONE),
-                **dict(params, shared_parts=len(parts))))
+                **dict(params, shared_parts=tuple(d.id for d in parts),
+                       shared_sends=plan.sends)))
 
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         return (mesh, call_with_own_shard, tuple(replicated for _ in result_shape), shardings)
 
     def replicated_results(mesh, arg_shapes, result_shape):
@@ -232,6 +233,44 @@ def lower_shared_call(ctx, args, outside_call_p, *, device_index, **params):
                                      [done], [_DONE], [_DONE])
     ctx.set_tokens_out(tokens)
     return outs
+
+
+def _splits_evenly(arg_shape) -> bool:
+    try:
+        arg_shape.sharding.shard_shape(tuple(arg_shape.shape))
+    except ValueError:  # jax's IndivisibleError
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class _SendPlan:
+    sends: tuple  # sends[p * operands + i]: whether the p-th device sends operand i
+    gathered: tuple  # Consumer.gathered: how the host puts the whole values together
+
+
+def _send_plan(shardings, shapes, parts, leaves: int) -> _SendPlan:
+    """Which device sends which operand: of the devices that hold the same shard of a leaf, the
+    first; the operand that only orders the call (past ``leaves``), none. The host gets, device
+    by device, the shards that device sends, and where each goes."""
+    operands = len(shardings)
+    sends = [0] * (len(parts) * operands)
+    pieces = []  # (device position, leaf, offset), in the order the host gets them
+    for leaf in range(leaves):
+        shape = tuple(shapes[leaf])
+        seen = set()
+        for position, device in enumerate(parts):
+            index = shardings[leaf].devices_indices_map(shape)[device]
+            starts = tuple(s.indices(n)[0] for s, n in zip(index, shape))
+            if starts in seen:
+                continue
+            seen.add(starts)
+            sends[position * operands + leaf] = 1
+            pieces.append((position, leaf, starts))
+    pieces.sort(key=lambda piece: piece[:2])
+    gathered = (tuple(tuple(s) for s in shapes[:leaves]),
+                tuple((leaf, starts) for _, leaf, starts in pieces))
+    return _SendPlan(tuple(sends), gathered)
 
 
 def _on_every_device(ctx, tokens_in, fn, args, avals_in, avals_out):

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 import hostcallback as hcb
 from helpers import run_python
 from hostcallback import config
+from hostcallback._native import outfeed
 
 pytestmark = pytest.mark.needs_internals("calls in a jit over a sharded mesh met in the handler")
 
@@ -28,6 +29,11 @@ COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "
 def native():
     with config.override(transport="native"):
         yield
+    assert outfeed.shared_calls_kept() == 0  # every part of every call came and left
+
+
+def _bytes_sent() -> int:
+    return sum(stats["bytes_enqueued"] for stats in hcb.queue_stats().values())
 
 
 def _collectives_in(compiled) -> list[str]:
@@ -70,6 +76,32 @@ def test_several_operands_of_different_shardings_arrive_whole_at_the_calling_dev
     out = jax.block_until_ready(step(a, b))
     assert seen == [(list(range(8)), 2.5, mesh.devices.flat[3])]
     np.testing.assert_array_equal(out, np.arange(8) * 2)
+
+
+@pytest.mark.parametrize("spec", [P(), P("d")], ids=str)
+def test_each_shard_is_sent_once_whoever_holds_it(spec):
+    mesh = jax.make_mesh((4,), ("d",))
+    value = np.arange(1 << 18, dtype=np.float32)  # 1 MiB
+    x = jax.device_put(value, NamedSharding(mesh, spec))
+    step = jax.jit(lambda x: hcb.call(lambda v: np.float32(v.sum()), x,
+                                      result_shape=jax.ShapeDtypeStruct((), jnp.float32)))
+    step(x).block_until_ready()  # compiled, and the receivers running
+    before = _bytes_sent()
+    assert float(step(x)) == value.sum()
+    assert value.nbytes <= _bytes_sent() - before < 1.1 * value.nbytes
+
+
+def test_a_value_xla_splits_unevenly_arrives_whole():
+    mesh = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    seen = []
+
+    def step(n):  # 6 elements over 4 devices: padded shards, which XLA gathers first
+        v = jax.lax.with_sharding_constraint(jnp.arange(6.0) + n, NamedSharding(mesh, P("d")))
+        return hcb.call(lambda a: seen.append(a.tolist()) or np.asarray(a) * 2, v,
+                        result_shape=v)
+
+    np.testing.assert_array_equal(jax.jit(step)(1.0), (np.arange(6.0) + 1) * 2)
+    assert seen == [[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]]
 
 
 def test_a_call_without_operands_answers_every_device():
@@ -129,6 +161,47 @@ def test_a_failing_call_fails_every_device_with_its_reason():
     failed, after = result.stdout.strip().splitlines()[-2:]
     assert "call consumer refuse failed: ValueError: no answer today" in failed
     assert after == "next: [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]"
+
+
+PARTS_MISSING = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import hostcallback as hcb
+from hostcallback._native import outfeed
+
+mesh = jax.make_mesh((4,), ("d",))
+x = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("d")))
+def add_one(v):
+    return np.asarray(v) + 1
+hurried = jax.jit(lambda x: hcb.call(add_one, x, result_shape=x, timeout=1e-6))
+outcomes = []
+for _ in range(10):  # the first part waits a microsecond for the others
+    try:
+        outcomes.append(np.asarray(hurried(x)).tolist())
+    except Exception as error:
+        outcomes.append(str(error).splitlines()[-1])
+patient = jax.jit(lambda x: hcb.call(add_one, x, result_shape=x))
+after = np.asarray(patient(x)).tolist()
+print(json.dumps({"outcomes": outcomes, "after": after, "kept": outfeed.shared_calls_kept()}))
+"""
+
+
+@pytest.mark.timeout(200)
+def test_a_part_that_does_not_come_in_time_fails_every_part_saying_what_to_do():
+    result = run_python(PARTS_MISSING, devices=4, timeout=150,
+                        env={"HOSTCALLBACK_TRANSPORT": "native"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    missing = [o for o in report["outcomes"] if "reached this call within 1e-06 s" in o]
+    assert missing, report["outcomes"]  # a microsecond is too short for 4 parts to meet
+    assert "so the host was not called" in missing[0]
+    assert "block_until_ready" in missing[0] and "(the call of add_one)" in missing[0]
+    for outcome in report["outcomes"]:
+        assert outcome in missing or outcome == [float(i + 1) for i in range(8)] or \
+            "did not answer this call within its timeout of 1e-06 s" in outcome, outcome
+    assert report["after"] == [float(i + 1) for i in range(8)]
+    assert report["kept"] == 0  # the failed calls' parts all came, took the error and left
 
 
 THREADS_BACK_TO_BACK = """

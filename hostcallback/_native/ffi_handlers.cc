@@ -259,9 +259,11 @@ ffi::Error SharedCallImpl(int32_t device_ordinal, ffi::RunId run, ffi::ThreadPoo
   return Guarded([&]() -> ffi::Error {
     const size_t parts = ordinals.size();
     const auto own = std::find(ordinals.begin(), ordinals.end(), int64_t{device_ordinal});
-    if (own == ordinals.end() || rets.size() < 2) {
-      return ffi::Error::Internal("hostcallback: a shared call on device " +
-                                  std::to_string(device_ordinal) + ", not one of its devices");
+    if (own == ordinals.end() || rets.size() < 2 ||
+        std::find(ordinals.begin(), ordinals.end(), emit_device) == ordinals.end()) {
+      return ffi::Error::Internal("hostcallback: a shared call of devices " +
+                                  std::to_string(device_ordinal) + " and " +
+                                  std::to_string(emit_device) + " that are not both its own");
     }
     if (std::string bad = CheckTimeout(timeout_s); !bad.empty()) {
       return ffi::Error::InvalidArgument("hostcallback: " + bad);

@@ -64,11 +64,15 @@ void SharedCalls::Decide(const Key& key, Call& call, std::string error, Response
   call.error = std::move(error);
   call.answer = std::move(answer);
   if (!call.calling) call.shards.clear();  // the host will not be called: nothing reads them
-  decided_.push_back(key);
+  decided_.emplace_back(key, call.generation);
   while (decided_.size() > kDecidedKept) {  // calls some part of which never came
-    auto old = calls_.find(decided_.front());
+    auto [old_key, generation] = decided_.front();
     decided_.pop_front();
-    if (old == calls_.end() || &old->second == &call) continue;
+    auto old = calls_.find(old_key);
+    // Gone, or a later call of the same key (a part restarted its count): not this one.
+    if (old == calls_.end() || old->second.generation != generation || &old->second == &call) {
+      continue;
+    }
     if (old->second.inside == 0) {
       calls_.erase(old);
     } else {
@@ -95,6 +99,7 @@ std::string SharedCalls::Join(int64_t run_id, uint64_t consumer_id, int device, 
   if (made) {
     call.parts = parts;
     call.started = Clock::now();
+    call.generation = ++generations_;
     // A part of a call that failed and was dropped since: the same outcome, at once.
     auto failed = failures_.find({run_id, consumer_id});
     if (failed != failures_.end()) Decide(key, call, failed->second, {});

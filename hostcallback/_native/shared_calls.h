@@ -64,9 +64,10 @@ class SharedCalls {
     bool decided = false;
     std::string error;
     Response answer;
-    size_t inside = 0;       // parts in Join now
-    size_t taken = 0;        // parts that took the outcome
-    bool forgotten = false;  // dropped from decided_ while parts were inside: the last erases it
+    size_t inside = 0;        // parts in Join now
+    size_t taken = 0;         // parts that took the outcome
+    bool forgotten = false;   // dropped from decided_ while parts were inside: the last erases it
+    uint64_t generation = 0;  // tells it from an earlier call of the same key in decided_
   };
 
   using Part = std::tuple<int64_t, uint64_t, int>;  // run id, consumer id, device
@@ -80,7 +81,8 @@ class SharedCalls {
   std::map<Key, Call> calls_;
   // Decided calls, newest last: the oldest are dropped, so a call some part never came to
   // (XLA never started it) is not kept for good.
-  std::deque<Key> decided_;
+  std::deque<std::pair<Key, uint64_t>> decided_;  // with the call's generation
+  uint64_t generations_ = 0;
   // Per part: how many calls it has made; the kPartsKept used last (least recently used last).
   std::list<Part> recent_parts_;
   std::map<Part, std::pair<uint64_t, std::list<Part>::iterator>> occurrences_;

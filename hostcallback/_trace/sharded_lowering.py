@@ -29,7 +29,7 @@ from hostcallback import _jax as jx
 from hostcallback._jax import ir, mlir
 from hostcallback._records.registry import registry
 from hostcallback._trace.program_order import ordered_tap_effect, program_order_effect
-from hostcallback._trace.transport import emitter_for, register_lowering
+from hostcallback._trace.transport import emitter_for, native, register_lowering
 from hostcallback.flavors import CallbackFlavor
 
 NO_LOCAL_DEVICE = -2  # emit_device: the chosen device belongs to another process
@@ -227,7 +227,7 @@ def lower_shared_call(ctx, args, outside_call_p, *, device_index, **params):
                                                                                    *operands)
     # custom_partitioning's op declares no side effect; a call whose result is unused must stay.
     done.owner.attributes["has_side_effect"] = ir.BoolAttr.get(True)
-    jx.add_host_callback(ctx, _never_called)  # runs synchronously on CPU (native.lower_call)
+    native.run_synchronously(ctx)
     if threaded:  # the taps after it come after its answer, on every device
         _, tokens = _on_every_device(ctx, tokens, lambda d: order_p.bind(d, effect=effect),
                                      [done], [_DONE], [_DONE])
@@ -299,7 +299,8 @@ order_p.def_effectful_abstract_eval(lambda *values, effect: ([_DONE], {effect}))
 
 
 def _order_lowering(ctx, *values, effect, platform):
-    token, zero = emitter_for("native", platform).lower_order(
+    del platform  # order points exist only where calls meet in the native handler
+    token, zero = native.lower_order(
         ctx, list(values), token=ctx.tokens_in.get(effect),
         op_sharding=manual_sharding([0, 0]) if isinstance(ctx.module_context.axis_context,
                                                           jx.SPMDAxisContext) else None)
@@ -308,10 +309,6 @@ def _order_lowering(ctx, *values, effect, platform):
 
 
 register_lowering(order_p, _order_lowering)
-
-
-def _never_called(*args):
-    raise AssertionError("hostcallback's placeholder host callback was called")
 
 
 def shard_transform(shardings, global_shapes, device) -> tuple:

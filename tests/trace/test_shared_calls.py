@@ -215,16 +215,16 @@ x = jax.device_put(jnp.arange(64.0), NamedSharding(mesh, P("d")))
 def add_one(v):
     return np.asarray(v) + 1
 step = jax.jit(lambda x: hcb.call(add_one, x, result_shape=x, timeout=3.0) - 1)
-outcomes = []
-def steps():
-    y = x
+outcomes = {}
+def steps(k):
+    y = x + 1000 * k  # each thread its own values: an answer crossing over would show
     try:
         for _ in range(100):
             y = step(y)  # dispatched back to back, from two threads at once
-        outcomes.append(float(np.asarray(y).sum()))
+        outcomes[k] = float(np.asarray(y).sum())
     except Exception as error:
-        outcomes.append(str(error))
-threads = [threading.Thread(target=steps) for _ in range(2)]
+        outcomes[k] = str(error)
+threads = [threading.Thread(target=steps, args=(k,)) for k in range(2)]
 for thread in threads:
     thread.start()
 for thread in threads:
@@ -245,10 +245,10 @@ def test_two_threads_dispatching_steps_back_to_back_finish_or_fail_with_our_erro
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Termination timeout" not in result.stderr
     outcomes = json.loads(result.stdout.strip().splitlines()[-1])
-    assert len(outcomes) == 2
-    for outcome in outcomes:
+    assert sorted(outcomes) == ["0", "1"]
+    for k, outcome in outcomes.items():
         if isinstance(outcome, float):
-            assert outcome == float(sum(range(64)))
+            assert outcome == float(sum(range(64)) + 64 * 1000 * int(k))
             continue
         assert ("of the 4 devices of a sharded computation reached this call within 3 s" in outcome
                 or "did not answer this call within its timeout of 3 s" in outcome), outcome

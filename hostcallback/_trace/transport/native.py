@@ -70,6 +70,12 @@ def _never_called(*args):
     raise AssertionError("hostcallback's placeholder host callback was called")
 
 
+def run_synchronously(ctx) -> None:
+    """The computation registers a host callback it never calls: jaxlib then runs it
+    synchronously on CPU, as it runs computations with JAX's own callbacks (see lower_call)."""
+    jx.add_host_callback(ctx, _never_called)
+
+
 def lower_call(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, token,
          op_sharding, result_avals, timeout_s: float):
     """The device sends ``args`` and waits for the host's results, which the handler copies into
@@ -79,7 +85,7 @@ def lower_call(ctx, args, *, consumer_id: int, emit_device: int, device_index: i
     on CPU, as it runs computations with JAX's own callbacks. Dispatched asynchronously, steps
     sent back to back fill XLA's 32 computations in flight per device while the first waits for
     the host, and a call function that runs JAX work on that device waits for a slot forever."""
-    jx.add_host_callback(ctx, _never_called)
+    run_synchronously(ctx)
     call_ctx = dataclasses.replace(ctx, avals_in=[jx.abstract_token, *ctx.avals_in],
                                    avals_out=[jx.abstract_token, *result_avals])
     token_out, *results = _lower_call(call_ctx, token, *args, consumer_id=np.uint64(consumer_id),
@@ -97,7 +103,6 @@ def lower_shared_call(ctx, args, *, consumer_id: int, emit_device: int, parts: t
     ``args`` (those ``sends`` says it sends), emit_device's part calls the host with every
     part's, and each part returns the same answer (its last result, a uint32, is 1) or fails
     with the same error, which names the call function (``name``): (token, *results)."""
-    jx.add_host_callback(ctx, _never_called)  # runs synchronously on CPU, as lower_call says
     call_ctx = dataclasses.replace(ctx, avals_in=[jx.abstract_token, *ctx.avals_in],
                                    avals_out=[jx.abstract_token, *result_avals])
     token_out, *results = _lower_shared_call(

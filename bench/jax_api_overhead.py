@@ -55,7 +55,7 @@ class Counter:
         self.calls += 1
 
 
-def body_for(variant: str, counter: Counter, shape: tuple):
+def body_for(variant: str, counter: Counter):
     """The loop body: calls back with the carry through ``variant``, returns the next carry."""
     api, _, _ = variant.partition(" ")
     ours = variant.endswith("(native)") or variant.endswith("(callback)")
@@ -103,7 +103,7 @@ class Run:
     def __init__(self, variant: str, workload: str, steps: int, shape: tuple) -> None:
         self.variant, self.counter, self.best = variant, Counter(), float("inf")
         with transport_of(variant):
-            body = body_for(variant, self.counter, shape)
+            body = body_for(variant, self.counter)
             loop = lambda x: lax.fori_loop(0, steps, lambda i, c: body(c), x)  # noqa: E731
             if workload == "pmap":
                 self.loop, self.x = jax.pmap(loop), jnp.zeros((4, *shape), jnp.float32)

@@ -35,7 +35,7 @@ from hostcallback._native import outfeed
 from hostcallback._records import wire
 from hostcallback._records.registry import DEBUG_CALLBACK_API, Consumer, EqualByKey, registry
 from hostcallback._trace import program_order, transport
-from hostcallback._trace.primitive import NO_SHARD_CALLBACK, outside_call_p
+from hostcallback._trace.primitive import outside_call_p, params_of
 from hostcallback._trace.program_order import ordered_tap_effect, program_order_effect
 from hostcallback.errors import UnsupportedDtypeError
 from hostcallback.flavors import CallbackFlavor
@@ -201,14 +201,11 @@ def _as_outside_call(eqn, served_primitive):
     flavor = _FLAVORS[kind]
     effects = (jx.no_effects if flavor is CallbackFlavor.PURE
                else {ordered_tap_effect if ordered else program_order_effect})
-    new_params = dict(
+    new_params = params_of(
         consumer_id=registry.register(consumer), transport=transport.default_transport(),
-        ordered=ordered, device_index=0, emit_device=outfeed.ALL_DEVICES,
-        result_avals=tuple(v.aval for v in eqn.outvars) if is_call else None, timeout_s=0.0,
+        ordered=ordered, result_avals=tuple(v.aval for v in eqn.outvars) if is_call else None,
         flavor=flavor.value, vmap_method=params.get("vmap_method") if is_call else None,
-        partitioned=bool(params.get("partitioned", False)), replays="deliver",
-        shard_callback=NO_SHARD_CALLBACK, shared_parts=(),
-        shared_sends=())
+        partitioned=bool(params.get("partitioned", False)))
     # A tap returns its operands: outputs of its own that nothing reads.
     outvars = list(eqn.outvars) if is_call else [jx.Var(aval) for aval in in_avals]
     return eqn.replace(primitive=outside_call_p, params=new_params, outvars=outvars,

@@ -168,12 +168,22 @@ def add_host_callback(ctx, callback) -> int:
     return len(ctx.module_context.host_callbacks) - 1
 
 
+def _never_called(*args):
+    raise AssertionError("hostcallback's placeholder host callback was called")
+
+
+def run_synchronously(ctx) -> None:
+    """The computation registers a host callback it never calls: jaxlib then runs it
+    synchronously on CPU, as it runs computations with JAX's own callbacks."""
+    add_host_callback(ctx, _never_called)
+
+
 __all__ = [
     "OpSharding", "PYTHON_CALLBACK_TARGETS", "SPMDAxisContext", "SdyArray", "SdyArrayList",
     "SdyDim", "ShardingContext", "abstract_token", "add_host_callback", "apply_primitive",
     "effects", "emit_python_callback", "eval_jaxpr", "ir_consts", "jaxprs_in_params",
     "lower_jaxpr", "lowering_for_export", "manual_sharding", "new_jaxpr_eqn", "new_source_info",
     "no_effects",
-    "outside_abstract_mesh", "pe", "pxla", "set_sharding", "shardy_enabled",
+    "outside_abstract_mesh", "pe", "pxla", "run_synchronously", "set_sharding", "shardy_enabled",
     "simplified_jaxpr_constants", "split_list", "trace_state_clean", "without_context_mesh",
 ]

@@ -1,5 +1,6 @@
 // The XLA FFI handlers: on XLA's device thread, a tap enqueues one record, a call sends one and
-// copies the host's answer into its outputs, a check fails a shared call on every device at once.
+// copies the host's answer into its outputs, a shared call meets the other devices' parts
+// (shared_calls.h), a check fails a summed call on every device at once.
 // Each handler is a short function (its Impl) plus one XLA_FFI_DEFINE_HANDLER_SYMBOL binding that
 // reads like its signature. No Python, no GIL.
 //
@@ -161,6 +162,28 @@ ffi::Error ZeroOutputs(ffi::RemainingRets& rets) {
   return ffi::Error::Success();
 }
 
+// Copies the host's answer into the first `outputs` results (tokens skipped), one array each,
+// every array of the answer placed; returns why not.
+std::string CopyAnswer(const Response& response, ffi::RemainingRets& rets, size_t outputs) {
+  constexpr char kMismatch[] =
+      "hostcallback: the host's answer does not match the call's result shapes";
+  size_t next = 0;
+  for (size_t i = 0; i < outputs; ++i) {
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
+    if (!ret.has_value()) return "hostcallback: " + ret.error().message();
+    ffi::AnyBuffer out = *ret.value();
+    if (out.element_type() == ffi::DataType::TOKEN) continue;
+    if (next >= response.results.size() || response.results[next].size() != out.size_bytes()) {
+      return kMismatch;
+    }
+    if (out.size_bytes() > 0) {
+      std::memcpy(out.untyped_data(), response.results[next].data(), out.size_bytes());
+    }
+    ++next;
+  }
+  return next == response.results.size() ? "" : kMismatch;
+}
+
 // A shared call that timed out is said on stderr at once: where its devices share the answer in
 // an XLA collective (the callback transport, several processes) and XLA's CPU client left a
 // device out of it, XLA ends the process after its own rendezvous limit (40 s) before the error
@@ -212,21 +235,7 @@ ffi::Error CallImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consu
       }
     }
     const size_t results = rets.size() - (shared ? 1 : 0);  // the flag comes last
-    size_t next = 0;
-    for (size_t i = 0; problem.empty() && i < results; ++i) {
-      ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
-      if (!ret.has_value()) return ret.error();
-      ffi::AnyBuffer out = *ret.value();
-      if (out.element_type() == ffi::DataType::TOKEN) continue;
-      if (next >= response.results.size() || response.results[next].size() != out.size_bytes()) {
-        problem = "hostcallback: the host's answer does not match the call's result shapes";
-        break;
-      }
-      if (out.size_bytes() > 0) {
-        std::memcpy(out.untyped_data(), response.results[next].data(), out.size_bytes());
-      }
-      ++next;
-    }
+    if (problem.empty()) problem = CopyAnswer(response, rets, results);
     if (!shared) {
       return problem.empty() ? ffi::Error::Success() : ffi::Error::Internal(problem);
     }
@@ -248,9 +257,8 @@ ffi::Error CallImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consu
 // operands, emit_device's calls the host with all of them, and every part gets the same answer
 // or error. ordinals: the devices that run the computation, in the order the host gets their
 // shards; sends[p * operands + i]: whether the p-th sends operand i (one device of those that
-// hold the same shard); name: the call function's, for errors. The
-// last output is a uint32 set to 1: even a call without results returns something, so that its part
-// is kept.
+// hold the same shard); name: the call function's, for errors. The last output is a uint32 set
+// to 1: even a call without results returns something, so that its part is kept.
 ffi::Error SharedCallImpl(int32_t device_ordinal, ffi::RunId run, ffi::ThreadPool pool,
                           uint64_t consumer_id, int64_t emit_device,
                           ffi::Span<const int64_t> ordinals, ffi::Span<const int64_t> sends,
@@ -288,27 +296,13 @@ ffi::Error SharedCallImpl(int32_t device_ordinal, ffi::RunId run, ffi::ThreadPoo
                       kFlagExpectsResponse, &pool);
     };
     auto take_answer = [&](const Response& answer) -> std::string {  // then a uint32 1
-      std::vector<ffi::AnyBuffer> outputs;
-      for (size_t i = 0; i < rets.size(); ++i) {
-        ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
-        if (!ret.has_value()) return "hostcallback: " + ret.error().message();
-        if ((*ret.value()).element_type() != ffi::DataType::TOKEN) outputs.push_back(*ret.value());
-      }
+      if (std::string bad = CopyAnswer(answer, rets, rets.size() - 1); !bad.empty()) return bad;
+      ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> kept = rets.get<ffi::AnyBuffer>(rets.size() - 1);
       const uint32_t one = 1;
-      if (answer.results.size() + 1 != outputs.size() ||
-          outputs.back().size_bytes() != sizeof(one)) {
+      if (!kept.has_value() || (*kept.value()).size_bytes() != sizeof(one)) {
         return "hostcallback: the host's answer does not match the call's result shapes";
       }
-      for (size_t i = 0; i < answer.results.size(); ++i) {
-        if (answer.results[i].size() != outputs[i].size_bytes()) {
-          return "hostcallback: the host's answer does not match the call's result shapes";
-        }
-        if (!answer.results[i].empty()) {
-          std::memcpy(outputs[i].untyped_data(), answer.results[i].data(),
-                      answer.results[i].size());
-        }
-      }
-      std::memcpy(outputs.back().untyped_data(), &one, sizeof(one));
+      std::memcpy((*kept.value()).untyped_data(), &one, sizeof(one));
       return "";
     };
     std::string problem =

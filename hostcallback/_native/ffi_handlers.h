@@ -1,7 +1,7 @@
 // The XLA FFI handlers our custom calls run on the device thread: hostcallback_tap (and
-// hostcallback_tap_handled), hostcallback_call, hostcallback_check, hostcallback_begin and
-// hostcallback_fence (module.cc hands them to Python, which registers them
-// with jax.ffi for kNativePlatform).
+// hostcallback_tap_handled), hostcallback_call, hostcallback_shared_call, hostcallback_order,
+// hostcallback_check, hostcallback_begin and hostcallback_fence (module.cc hands them to Python,
+// which registers them with jax.ffi for kNativePlatform).
 #ifndef HOSTCALLBACK_NATIVE_FFI_HANDLERS_H_
 #define HOSTCALLBACK_NATIVE_FFI_HANDLERS_H_
 

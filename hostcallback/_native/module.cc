@@ -21,7 +21,8 @@
 //                        what its receiver has handled
 //   responses.{h,cc}     the answers to calls, and sending a call to wait for one
 //   shared_calls.{h,cc}  a call shared by the devices of a sharded computation, met in the handler
-//   ffi_handlers.{h,cc}  the CPU's XLA FFI handlers (tap, call, check, begin, fence)
+//   ffi_handlers.{h,cc}  the CPU's XLA FFI handlers (tap, call, shared call, order point,
+//                        check, begin, fence)
 //   ffi_arrays.h         the tapped arrays of an FFI call, for every handler
 //   cuda_tap.{h,cc}      the GPU tap: copies and a host function queued on the device's stream
 //   cuda_driver.{h,cc}   the CUDA driver entry points the GPU tap uses, found at run time

@@ -36,7 +36,7 @@ from hostcallback import _jax as jx
 from hostcallback import config
 from hostcallback._jax import mlir
 from hostcallback._native import outfeed
-from hostcallback._trace import transport
+from hostcallback._trace import regions, transport
 
 BEGIN_TARGET = "hostcallback_begin"
 FENCE_TARGET = "hostcallback_fence"
@@ -95,25 +95,18 @@ def _fenced(ctx) -> bool:
     return _delivery(ctx) != "async"
 
 
-def _never_called(*args):
-    raise AssertionError("hostcallback's placeholder host callback was called")
-
-
 def _on_every_device(ctx, primitive, args, **params):
-    """In a jit that XLA partitions over several devices, each device runs the op on its own:
-    a shard_map over all of them (as a whole-value tap does, sharded_lowering.py), else None."""
+    """In a jit that XLA partitions over several devices, each device runs the op on its own
+    (regions.py, as a whole-value tap does), else None."""
     axis_context = ctx.module_context.axis_context
     if not (isinstance(axis_context, jx.ShardingContext) and axis_context.num_devices > 1):
         return None
-    devices = np.empty(len(axis_context.device_assignment), dtype=object)
-    devices[:] = list(axis_context.device_assignment)
-    mesh = jax.sharding.Mesh(devices, ("_hostcallback_devices",))
-    whole = jax.sharding.PartitionSpec()
     body = (lambda *xs: primitive.bind(*xs, **params)) if primitive.multiple_results else (
         lambda *xs: [primitive.bind(*xs, **params)])
-    with jx.outside_abstract_mesh():
-        region = jax.shard_map(body, mesh=mesh, in_specs=whole, out_specs=whole, check_vma=False)
-        return mlir.lower_fun(region, multiple_results=True)(ctx, *args)
+    outs, tokens = regions.on_every_device(ctx, ctx.tokens_in, body, args, ctx.avals_in,
+                                           ctx.avals_out)
+    ctx.set_tokens_out(tokens)
+    return outs
 
 
 def _chain_tokens(ctx, effects) -> list:
@@ -153,7 +146,7 @@ def _begin_lowering(ctx, *, chains):
     token_out, ident = _lower_begin(call_ctx, token)
     _manual(ctx, token_out.owner, [0, 0])
     if _delivery(ctx) == "dispatch":
-        jx.add_host_callback(ctx, _never_called)
+        jx.run_synchronously(ctx)
     _pass_tokens(ctx, chains, token_out)
     return [ident]
 

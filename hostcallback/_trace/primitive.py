@@ -43,18 +43,22 @@ NO_SHARD_CALLBACK = -1
 # it, and shared_sends which of them sends which operand.
 
 
-def bind(leaves, *, consumer_id: int, transport: str, ordered: bool = False,
-         device_index: int = 0, result_avals: tuple | None = None, timeout_s: float = 0.0,
-         flavor: str = "io_callback", vmap_method: str | None = None,
-         partitioned: bool = False, replays: str = "deliver"):
-    """A tap (result_avals None: returns the leaves) or a call (returns arrays of result_avals)."""
-    return outside_call_p.bind(*leaves, consumer_id=consumer_id, transport=transport,
-                               ordered=ordered, device_index=device_index,
-                               emit_device=outfeed.ALL_DEVICES, result_avals=result_avals,
-                               timeout_s=timeout_s, flavor=flavor, vmap_method=vmap_method,
-                               partitioned=partitioned, replays=replays,
-                               shard_callback=NO_SHARD_CALLBACK, shared_parts=(),
-                               shared_sends=())
+def params_of(*, consumer_id: int, transport: str, ordered: bool = False,
+              device_index: int = 0, result_avals: tuple | None = None, timeout_s: float = 0.0,
+              flavor: str = "io_callback", vmap_method: str | None = None,
+              partitioned: bool = False, replays: str = "deliver") -> dict:
+    """Every param of a tap or call as traced; those only its lowering sets at their defaults."""
+    return dict(consumer_id=consumer_id, transport=transport, ordered=ordered,
+                device_index=device_index, emit_device=outfeed.ALL_DEVICES,
+                result_avals=result_avals, timeout_s=timeout_s, flavor=flavor,
+                vmap_method=vmap_method, partitioned=partitioned, replays=replays,
+                shard_callback=NO_SHARD_CALLBACK, shared_parts=(), shared_sends=())
+
+
+def bind(leaves, **params):
+    """A tap (result_avals None: returns the leaves) or a call (returns arrays of result_avals);
+    params as params_of takes them."""
+    return outside_call_p.bind(*leaves, **params_of(**params))
 
 
 # ---- effects: ProgramOrderEffect by default, OrderedTapEffect for ordered=True, none for PURE;

@@ -28,6 +28,7 @@ from jax.experimental.custom_partitioning import SdyShardingRule, custom_partiti
 from hostcallback import _jax as jx
 from hostcallback._jax import ir, mlir
 from hostcallback._records.registry import registry
+from hostcallback._trace import regions
 from hostcallback._trace.program_order import ordered_tap_effect, program_order_effect
 from hostcallback._trace.transport import emitter_for, native, register_lowering
 from hostcallback.flavors import CallbackFlavor
@@ -68,10 +69,6 @@ def _plain(avals):
 def lower_on_one_device(ctx, args, outside_call_p, *, device_index, **params):
     """The whole-value form (see the module docstring) of a tap or call of ``outside_call_p``."""
     devices = ctx.module_context.axis_context.device_assignment
-    mesh_devices = np.empty(len(devices), dtype=object)
-    mesh_devices[:] = list(devices)
-    axis = "_hostcallback_devices"
-    mesh = jax.sharding.Mesh(mesh_devices, (axis,))
     emit_device = local_ordinal(devices[device_index])
 
     def tap_on_every_device(*xs):
@@ -84,29 +81,20 @@ def lower_on_one_device(ctx, args, outside_call_p, *, device_index, **params):
         call_params = dict(params, result_avals=(*params["result_avals"], _FAILURE_FLAG))
         *outs, failed = outside_call_p.bind(*xs, device_index=device_index,
                                             emit_device=emit_device, **call_params)
-        shared = [_share_from_caller(out, axis) for out in outs]
+        shared = [_share_from_caller(out, regions.AXIS) for out in outs]
         # The check passes the flag through too, and the region returns it, so that the check
         # is kept also for a call without results; the lowering drops it again.
         checked_flag, *checked = shared_call_check_p.bind(
-            jax.lax.psum(failed, axis), *shared, consumer_id=params["consumer_id"],
+            jax.lax.psum(failed, regions.AXIS), *shared, consumer_id=params["consumer_id"],
             transport=params["transport"])
         return [*checked, checked_flag]
 
-    replicated = jax.sharding.PartitionSpec()
     # The avals may carry the outer computation's sharding; inside the region they are whole.
     is_call = params["result_avals"] is not None
-    region_ctx = dataclasses.replace(
-        ctx, avals_in=_plain(ctx.avals_in),
-        avals_out=_plain(ctx.avals_out) + ([_FAILURE_FLAG] if is_call else []))
-    # JAX refuses a shard_map whose mesh differs from the user's context mesh (jax.set_mesh,
-    # use_mesh; JAX 0.8.0 checks when the shard_map is made, later ones when it is traced): the
-    # region is made and built as if none were set; the user's is back once it is built.
-    with jx.outside_abstract_mesh():
-        region = jax.shard_map(tap_on_every_device, mesh=mesh, in_specs=replicated,
-                               out_specs=replicated, check_vma=False)
-        outs = mlir.lower_fun(region, multiple_results=True)(region_ctx, *args)
-    if region_ctx.tokens_out is not None:
-        ctx.set_tokens_out(region_ctx.tokens_out)
+    outs, tokens = regions.on_every_device(
+        ctx, ctx.tokens_in, tap_on_every_device, args, _plain(ctx.avals_in),
+        _plain(ctx.avals_out) + ([_FAILURE_FLAG] if is_call else []))
+    ctx.set_tokens_out(tokens)
     return outs[:-1] if is_call else outs
 
 
@@ -151,7 +139,7 @@ def meets_in_handler(ctx, emit) -> bool:
     """Whether a call in this sharded jit can meet in the transport's handler: a native one, on
     devices of this process alone (the handler sees no other), with plain arrays."""
     devices = ctx.module_context.axis_context.device_assignment
-    return (getattr(emit, "SHARED_CALLS_MEET_IN_HANDLER", False)
+    return (emit is native
             and all(d.process_index == jax.process_index() for d in devices)
             and not any(jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
                         for a in [*ctx.avals_in, *ctx.avals_out]))
@@ -177,7 +165,7 @@ def lower_shared_call(ctx, args, outside_call_p, *, device_index, **params):
     operands, operand_avals = list(args), _plain(ctx.avals_in)
     if threaded or not operands:  # one more operand: what orders it, or what XLA partitions by
         if threaded:
-            (after_taps,), tokens = _on_every_device(
+            (after_taps,), tokens = regions.on_every_device(
                 ctx, tokens, lambda: order_p.bind(effect=effect), [], [], [_DONE])
         else:
             after_taps = mlir.ir_constant(np.uint32(0))
@@ -227,9 +215,9 @@ def lower_shared_call(ctx, args, outside_call_p, *, device_index, **params):
                                                                                    *operands)
     # custom_partitioning's op declares no side effect; a call whose result is unused must stay.
     done.owner.attributes["has_side_effect"] = ir.BoolAttr.get(True)
-    native.run_synchronously(ctx)
+    jx.run_synchronously(ctx)  # as a call on one device (native.lower_call)
     if threaded:  # the taps after it come after its answer, on every device
-        _, tokens = _on_every_device(ctx, tokens, lambda d: order_p.bind(d, effect=effect),
+        _, tokens = regions.on_every_device(ctx, tokens, lambda d: order_p.bind(d, effect=effect),
                                      [done], [_DONE], [_DONE])
     ctx.set_tokens_out(tokens)
     return outs
@@ -258,10 +246,10 @@ def _send_plan(shardings, shapes, parts, leaves: int) -> _SendPlan:
     pieces = []  # (device position, leaf, offset), in the order the host gets them
     for leaf in range(leaves):
         shape = tuple(shapes[leaf])
+        indices = shardings[leaf].devices_indices_map(shape)
         seen = set()
         for position, device in enumerate(parts):
-            index = shardings[leaf].devices_indices_map(shape)[device]
-            starts = tuple(s.indices(n)[0] for s, n in zip(index, shape))
+            starts = _starts(indices[device], shape)
             if starts in seen:
                 continue
             seen.add(starts)
@@ -271,24 +259,6 @@ def _send_plan(shardings, shapes, parts, leaves: int) -> _SendPlan:
     gathered = (tuple(tuple(s) for s in shapes[:leaves]),
                 tuple((leaf, starts) for _, leaf, starts in pieces))
     return _SendPlan(tuple(sends), gathered)
-
-
-def _on_every_device(ctx, tokens_in, fn, args, avals_in, avals_out):
-    """fn(*args) lowered on every device of the computation, each on its own whole copy (a
-    shard_map region, which threads the effects' tokens): (results, tokens after it)."""
-    devices = ctx.module_context.axis_context.device_assignment
-    mesh_devices = np.empty(len(devices), dtype=object)
-    mesh_devices[:] = list(devices)
-    mesh = jax.sharding.Mesh(mesh_devices, ("_hostcallback_devices",))
-    region_ctx = dataclasses.replace(ctx, avals_in=avals_in, avals_out=avals_out,
-                                     tokens_in=tokens_in, tokens_out=None)
-    replicated = jax.sharding.PartitionSpec()
-    with jx.outside_abstract_mesh():  # see lower_on_one_device
-        region = jax.shard_map(lambda *xs: tuple(fn(*xs)), mesh=mesh,
-                               in_specs=(replicated,) * len(args),
-                               out_specs=(replicated,) * len(avals_out), check_vma=False)
-        outs = mlir.lower_fun(region, multiple_results=True)(region_ctx, *args)
-    return outs, region_ctx.tokens_out or tokens_in
 
 
 # A point in the program order on one device: a uint32 zero after the taps before it, or, given
@@ -311,13 +281,17 @@ def _order_lowering(ctx, *values, effect, platform):
 register_lowering(order_p, _order_lowering)
 
 
+def _starts(index, shape) -> tuple:
+    """Where a shard (its slices of the whole value, from devices_indices_map) begins."""
+    return tuple(s.indices(n)[0] for s, n in zip(index, shape))
+
+
 def shard_transform(shardings, global_shapes, device) -> tuple:
     """("shard", {...}) for the shards one device holds: per leaf, the block index, the global
     offset of its first element, and the whole value's shape."""
     index, offset = [], []
     for sharding, shape in zip(shardings, global_shapes):
-        slices = sharding.devices_indices_map(tuple(shape))[device]
-        starts = tuple(s.indices(n)[0] for s, n in zip(slices, shape))
+        starts = _starts(sharding.devices_indices_map(tuple(shape))[device], shape)
         sizes = sharding.shard_shape(tuple(shape))
         offset.append(starts)
         index.append(tuple(start // size if size else 0 for start, size in zip(starts, sizes)))

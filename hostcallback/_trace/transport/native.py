@@ -43,10 +43,6 @@ _lower_check = jax.ffi.ffi_lowering(CHECK_TARGET, has_side_effect=True)
 _lower_shared_call = jax.ffi.ffi_lowering(SHARED_CALL_TARGET, has_side_effect=True)
 _lower_order = jax.ffi.ffi_lowering(ORDER_TARGET, has_side_effect=True)
 
-# A call shared over the devices of a sharded jit meets in this transport's handler
-# (sharded_lowering.lower_shared_call), not in XLA's collectives.
-SHARED_CALLS_MEET_IN_HANDLER = True
-
 
 def lower_tap(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, token,
         op_sharding):
@@ -66,16 +62,6 @@ def shard_callback(ctx) -> None:
     del ctx
 
 
-def _never_called(*args):
-    raise AssertionError("hostcallback's placeholder host callback was called")
-
-
-def run_synchronously(ctx) -> None:
-    """The computation registers a host callback it never calls: jaxlib then runs it
-    synchronously on CPU, as it runs computations with JAX's own callbacks (see lower_call)."""
-    jx.add_host_callback(ctx, _never_called)
-
-
 def lower_call(ctx, args, *, consumer_id: int, emit_device: int, device_index: int, token,
          op_sharding, result_avals, timeout_s: float):
     """The device sends ``args`` and waits for the host's results, which the handler copies into
@@ -85,7 +71,7 @@ def lower_call(ctx, args, *, consumer_id: int, emit_device: int, device_index: i
     on CPU, as it runs computations with JAX's own callbacks. Dispatched asynchronously, steps
     sent back to back fill XLA's 32 computations in flight per device while the first waits for
     the host, and a call function that runs JAX work on that device waits for a slot forever."""
-    run_synchronously(ctx)
+    jx.run_synchronously(ctx)
     call_ctx = dataclasses.replace(ctx, avals_in=[jx.abstract_token, *ctx.avals_in],
                                    avals_out=[jx.abstract_token, *result_avals])
     token_out, *results = _lower_call(call_ctx, token, *args, consumer_id=np.uint64(consumer_id),

@@ -9,20 +9,20 @@
 #include <chrono>
 #include <cstdio>
 #include <map>
-#include <thread>
 #include <utility>
 
 #include "buffer_pool.h"
 #include "constants.h"
 #include "interrupts.h"
 #include "responses.h"
+#include "spin_wait.h"
 #include "timeouts.h"
 
 namespace hostcallback {
 
 namespace {
 // How long a fence spins for its taps to be handled before it sleeps (WaitHandled).
-constexpr int kSpinMicros = 200;
+constexpr std::chrono::microseconds kFenceSpin{200};
 // The queue whose batch this thread is delivering (a receiver between two Pops), if any.
 thread_local const DeviceQueue* t_delivering = nullptr;
 }  // namespace
@@ -354,15 +354,11 @@ DeviceQueue::Handled DeviceQueue::WaitHandled(uint64_t target, double timeout_s,
   fences_waiting_ += 1;
   if (receivers_waiting_ > 0) not_empty_.notify_all();  // a gathering receiver: hand out now
   // The receiver usually comes back within tens of microseconds: a wait that sleeps would add a
-  // wake-up of this thread on top, on the path of every step. So spin a little first, yielding.
+  // wake-up of this thread on top, on the path of every step (spin_wait.h).
   if (spin) {
     lock.unlock();
-    const auto spin_until =
-        std::chrono::steady_clock::now() + std::chrono::microseconds(kSpinMicros);
-    while (handled_published_.load(std::memory_order_acquire) < target &&
-           std::chrono::steady_clock::now() < spin_until) {
-      std::this_thread::yield();
-    }
+    SpinYielding(kFenceSpin,
+                 [&] { return handled_published_.load(std::memory_order_acquire) >= target; });
     lock.lock();
   }
   std::string interrupted;

@@ -9,9 +9,16 @@
 
 #include "device_queue.h"
 #include "interrupts.h"
+#include "spin_wait.h"
 #include "timeouts.h"
 
 namespace hostcallback {
+
+namespace {
+// How long a call spins for its answer before it sleeps (measured: 20 to 200 us all gave a
+// trivial call 7 to 10 us a round trip, against 57 us sleeping at once).
+constexpr std::chrono::microseconds kAnswerSpin{50};
+}  // namespace
 
 void Responses::Expect(Key key) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -47,6 +54,8 @@ std::string Responses::Wait(Key key, double timeout_s, Response* out, double cal
   auto entry = table_.find(key);  // map iterators stay valid while others come and go
   if (entry == table_.end()) return kStoppedMessage;
   auto answered = [&] { return closed_ || entry->second.answered || failed_.count(key.first) > 0; };
+  // The receiver answers a small call within microseconds: see spin_wait.h.
+  SpinUnlocked(lock, kAnswerSpin, answered);
   std::string interrupted;
   WaitInterruptibly(cv_, lock, timeout_s, answered, &interrupted);
   // A handler that raised ends the call even if its answer came meanwhile: the interruption

@@ -10,6 +10,11 @@ Workloads, each a fori_loop whose body calls back with its carry every step:
   sharded: a jit over 4 devices of a sharded 4-element float32 (--steps / 4 steps); the callback
            gets the whole value once a step
 Variants run in interleaved rounds (best of --repeats), so a loaded machine slows all alike.
+By default a computation's results are ready only once its callbacks ran, so a loop that calls
+back every step is bound by the receiver's work as much as by the device's. The "async" rows
+compile the same debug callback or print with delivery="async": results are ready when the
+device is done and the receiver goes on behind them (its backlog is handled outside the timed
+part), so their us/call is the device's own cost, what bench/tap_overhead.py measures for a tap.
 
   us/call   (time until the computation finished - the loop without callbacks) / calls: what a
             call costs the device
@@ -57,8 +62,8 @@ class Counter:
 
 def body_for(variant: str, counter: Counter):
     """The loop body: calls back with the carry through ``variant``, returns the next carry."""
-    api, _, _ = variant.partition(" ")
-    ours = variant.endswith("(native)") or variant.endswith("(callback)")
+    api, _, who = variant.partition(" ")
+    ours = who.startswith(("(native", "(callback"))
     debug = hcb.debug if ours else jax.debug
     if api == "none":
         return lambda c: c + 1
@@ -83,13 +88,19 @@ def served():
         hcb.serve_jax_callbacks(False)
 
 
-def transport_of(variant: str):
-    if variant.endswith("(served)"):
-        return served()
-    for transport in ("native", "callback"):
-        if variant.endswith(f"({transport})"):
-            return hcb.config.override(transport=transport)
-    return contextlib.nullcontext()
+@contextlib.contextmanager
+def compiled_as(variant: str):
+    """The variant's transport (or the switch) and delivery, while it is compiled and run."""
+    who = variant.partition(" ")[2]
+    with contextlib.ExitStack() as stack:
+        if who.startswith("(served"):
+            stack.enter_context(served())
+        for transport in ("native", "callback"):
+            if who.startswith(f"({transport}"):
+                stack.enter_context(hcb.config.override(transport=transport))
+        if who.endswith(", async)"):
+            stack.enter_context(hcb.config.override(delivery="async"))
+        yield
 
 
 def wait_for_delivery() -> None:
@@ -102,7 +113,7 @@ class Run:
 
     def __init__(self, variant: str, workload: str, steps: int, shape: tuple) -> None:
         self.variant, self.counter, self.best = variant, Counter(), float("inf")
-        with transport_of(variant):
+        with compiled_as(variant):
             body = body_for(variant, self.counter)
             loop = lambda x: lax.fori_loop(0, steps, lambda i, c: body(c), x)  # noqa: E731
             if workload == "pmap":
@@ -117,7 +128,7 @@ class Run:
             self.best = float("inf")
 
     def measure(self) -> None:
-        with transport_of(self.variant), contextlib.redirect_stdout(io.StringIO()):
+        with compiled_as(self.variant), contextlib.redirect_stdout(io.StringIO()):
             start = time.perf_counter()
             self.loop(self.x).block_until_ready()
             self.best = min(self.best, time.perf_counter() - start)
@@ -136,11 +147,11 @@ def run_workload(name: str, variants: list[str], steps: int, shape: tuple, repea
     size = int(np.prod(shape)) * 4
     print(f"\n{name}: {steps:,} steps, {size:,} bytes a call, {calls_per_step} call(s) a step "
           f"(loop without callbacks: {base * 1e3:.1f} ms)")
-    print(f"{'variant':<30}{'us/call':>10}{'vs JAX':>10}")
+    print(f"{'variant':<34}{'us/call':>10}{'vs JAX':>10}")
     for variant, us in cost.items():
         theirs = cost.get(variant.split(" ")[0] + " (JAX)")
         ratio = "" if theirs is None or variant.endswith("(JAX)") else f"{theirs / us:.1f}x"
-        print(f"{variant:<30}{us:>10.3f}{ratio:>10}")
+        print(f"{variant:<34}{us:>10.3f}{ratio:>10}")
     return cost
 
 
@@ -154,8 +165,11 @@ WORKLOADS = {
 
 
 def variants(apis: list[str]) -> list[str]:
+    """Each API's variants; a debug callback's or print's also compiled with delivery="async"
+    (an io_callback waits for its answer either way)."""
     return [f"{api} {who}" for api in apis
-            for who in ("(JAX)", "(served)", "(native)", "(callback)")]
+            for who in ("(JAX)", "(served)", "(native)", "(callback)")
+            + (("(served, async)", "(native, async)") if api.startswith("debug.") else ())]
 
 
 def main() -> None:

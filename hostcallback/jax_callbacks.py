@@ -7,8 +7,9 @@ Change ``jax.debug`` to ``hostcallback.debug`` and the code stays as it is. ``de
 and ``debug.print`` bind JAX's own ``jax.debug.callback``, so JAX's rules transform them and
 JAX's semantics hold, marked (``OnHost``) so that hostcallback serves them where it is native
 (served_callbacks.py): the callback runs on the device's receiver thread, after the device went
-on, with read-only numpy arrays that print as jax.Arrays do (``HostArray``), instead of on the
-device's own thread while it waits (the migration guide says what differs).
+on, with jax.Arrays on the CPU as JAX's does, instead of on the device's own thread while it
+waits (the migration guide says what differs). ``hostcallback.id_tap`` hands read-only numpy
+views instead, for a quarter of the host's work.
 ``effects_barrier()`` waits for them as ``jax.effects_barrier()`` waits for JAX's own.
 """
 
@@ -49,11 +50,10 @@ def callback(callback: Callable[..., None] | None = None, *args: Any, ordered: b
     """Calls ``callback(*args, **kwargs)`` on the host, as ``jax.debug.callback`` does.
 
     The two-call form ``callback(ordered=True)(f, x)`` works too. Leaves that are not arrays or
-    numbers (strings, objects) reach the callback as they are; arrays arrive as ``HostArray``:
-    read-only numpy arrays that print and format as ``jax.Array`` does. Its return value is
-    ignored. ``ordered=True`` keeps the order across computations, as JAX's does;
-    ``partitioned=True`` calls once per shard in a sharded jit, with that device's shard
-    (without it: once, with the whole value).
+    numbers (strings, objects) reach the callback as they are; arrays arrive as ``jax.Array``s
+    on the CPU, as with ``jax.debug.callback``. Its return value is ignored. ``ordered=True``
+    keeps the order across computations, as JAX's does; ``partitioned=True`` calls once per
+    shard in a sharded jit, with that device's shard (without it: once, with the whole value).
     """
     if callback is None:
         if args or kwargs:

@@ -6,16 +6,16 @@ JAX traces and transforms them with its own rules (batching, JVP, transpose, rem
 before a computation is lowered for a native platform, each of their equations that is to be
 served, at any depth, is replaced by our ``outside_call``: a tap for a debug callback or print, a
 call for an io or pure callback, whose consumer runs the callback as JAX's own lowering would
-(callback_primitives.py; ``hostcallback.debug``'s get read-only numpy views instead of jax.Arrays,
-``OnHost``), and JAX's callback effects by ours (an unordered one by program order, an ordered one
-by ``ordered=True``) wherever they now stand for ours. The computation then lowers as any tapped
-one: program order, results ready once its callbacks ran, the per-device and sharded forms. A
-callback we cannot serve as JAX would (an io or pure callback given a ``sharding``, a value our
-records do not carry (sub-byte integers, PRNG keys), one in a shard_map that leaves some mesh axes
-automatic or in a batched while predicate) is left to JAX (in its own order, apart from ours; with
-every ordered one of its computation, if it is ordered), and so is a computation lowered on a
-receiver thread (it would wait for itself). The rewritten jaxpr is
-cached per jaxpr, so JAX's lowering cache still hits.
+(callback_primitives.py: jax.Arrays, as JAX's; ``hostcallback.debug.print`` formats read-only
+numpy views that print as they do), and JAX's callback effects by ours (an unordered one by
+program order, an ordered one by ``ordered=True``) wherever they now stand for ours. The
+computation then lowers as any tapped one: program order, results ready once its callbacks
+ran, the per-device and sharded forms. A callback we cannot serve as JAX would (an io or pure
+callback given a ``sharding``, a value our records do not carry (sub-byte integers, PRNG keys),
+one in a shard_map that leaves some mesh axes automatic or in a batched while predicate) is left
+to JAX (in its own order, apart from ours; with every ordered one of its computation, if it is
+ordered), and so is a computation lowered on a receiver thread (it would wait for itself). The
+rewritten jaxpr is cached per jaxpr, so JAX's lowering cache still hits.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from jax import tree_util
 
 from hostcallback import _jax as jx
 from hostcallback import config
-from hostcallback._host.printing import HostArray
+from hostcallback._host.printing import HostArray, Printer
 from hostcallback._host.record_context import current_record
 from hostcallback._jax import callback_primitives, patches
 from hostcallback._native import outfeed
@@ -80,6 +80,13 @@ def _every_callback(eqn) -> bool:
 
 def _from_hostcallback_debug(eqn) -> bool:
     return isinstance(callback_primitives.user_callback(eqn.params), OnHost)
+
+
+def _hostcallback_debug_print(eqn) -> bool:
+    """``hostcallback.debug.print`` formats read-only views that print as jax.Arrays do: what
+    it prints is the same, without making jax.Arrays first."""
+    callback = callback_primitives.user_callback(eqn.params)
+    return isinstance(callback, OnHost) and isinstance(callback.target, Printer)
 
 
 # Per jaxpr, its served form, with the switch off and on (for the native platforms, the only
@@ -186,7 +193,7 @@ def _as_outside_call(eqn, served_primitive):
     params = dict(eqn.params)
     in_avals = [v.aval for v in eqn.invars]
     runner = _RunAsJax(served_primitive, params, in_avals,
-                       views=_from_hostcallback_debug(eqn))
+                       views=_hostcallback_debug_print(eqn))
     is_call = kind != "debug"
     consumer = Consumer(
         func=runner, treedef=tree_util.tree_structure(tuple(range(len(in_avals)))),

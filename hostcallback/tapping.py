@@ -303,8 +303,8 @@ class OnHost(EqualByKey):
     """``hostcallback.debug``'s callback or printer (anything with ``apply(args, kwargs)``) as it
     goes through ``jax.debug.callback``: called with its arguments and keywords packed in two
     (so that keywords named like JAX's options reach it), served by hostcallback whether the
-    switch is on or not (served_callbacks.py), and handed read-only numpy views (``HostArray``)
-    there."""
+    switch is on or not (served_callbacks.py): a callback gets jax.Arrays there, a printer
+    read-only numpy views (``HostArray``)."""
 
     __slots__ = ("__name__", "target")
 

@@ -17,11 +17,14 @@ computation: jaxlib then runs it while dispatching it on CPU, as it runs computa
 own callbacks, so the dispatching call returns only once its taps were handled.
 ``configure(delivery="async")`` (``HOSTCALLBACK_DELIVERY=async``) lowers both to nothing in the
 computations compiled after it: results are ready as soon as the device is done, and the taps
-are delivered behind them. So does a platform without our native handlers (TPU), and for now a
-CUDA GPU unless HOSTCALLBACK_GPU_FENCE=1: there the begin writes a 0 id and the fence is a host
-function on the stream that waits for the taps (the stream waits there; XLA's launching thread
-goes on), and "dispatch" means "handled". This module only writes computations; it never waits
-itself.
+are delivered behind them. On a CUDA GPU with HOSTCALLBACK_GPU_FENCE=1 the begin writes a 0 id
+and the fence is a host function on the stream that waits for the taps (the stream waits there;
+XLA's launching thread goes on), and "dispatch" means "handled"; without it, until the GPU fence
+has been measured on a GPU, a GPU's results are ready as with "async". Where our fence has no
+native handler (TPU, ROCm) the fence is one of JAX's host callbacks with an answer, which waits
+for the taps in Python (transport/callback.py) while the device waits for the answer, and there
+is no begin. This module only writes computations;
+it never waits itself.
 """
 
 from __future__ import annotations
@@ -71,20 +74,22 @@ _deliveries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # results are ready before their taps were handled, as with delivery="async".
 GPU_FENCE = config.env_bool("HOSTCALLBACK_GPU_FENCE", False)
 # Where the begin and the fence have handlers: the CPU's run on XLA's device thread; on a CUDA GPU
-# "dispatch" is "handled".
+# "dispatch" is "handled". Everywhere else but a CUDA GPU without the flag (TPU, ROCm) the fence
+# is a host callback of JAX's that waits for the taps in Python (transport/callback.py:
+# lower_fence), and there is no begin: barriers do not see those computations running (their
+# results, and the markers behind them, bring them along).
+_GPU_FENCE_UNMEASURED = frozenset() if GPU_FENCE else frozenset({"cuda"})
 FENCED_PLATFORMS = ((frozenset({outfeed.NATIVE_PLATFORM})
                      | (transport.NATIVE_GPU_PLATFORMS if GPU_FENCE else frozenset()))
                     if transport.NATIVE_PLATFORMS else frozenset())
 
 
 def _delivery(ctx) -> str:
-    """The module's delivery: "async" on a platform our fence does not run on (the callback
-    transport's taps join the same queues where it does, and the fence waits for them too)."""
+    """The module's delivery: "async" for a module lowered for several platforms at once."""
     module = ctx.module_context.module
     if module not in _deliveries:
         platforms = ctx.module_context.platforms
-        fenced = len(platforms) == 1 and platforms[0] in FENCED_PLATFORMS
-        delivery = config.settings.delivery if fenced else "async"
+        delivery = config.settings.delivery if len(platforms) == 1 else "async"
         if delivery == "dispatch" and platforms[0] != outfeed.NATIVE_PLATFORM:
             delivery = "handled"
         _deliveries[module] = delivery
@@ -92,7 +97,14 @@ def _delivery(ctx) -> str:
 
 
 def _fenced(ctx) -> bool:
-    return _delivery(ctx) != "async"
+    platform = ctx.module_context.platforms[0]
+    return _delivery(ctx) != "async" and (platform in FENCED_PLATFORMS
+                                          or platform not in _GPU_FENCE_UNMEASURED)
+
+
+def _native(ctx) -> bool:
+    """Whether the fence has our native handlers here; elsewhere JAX's host callbacks serve."""
+    return ctx.module_context.platforms[0] in FENCED_PLATFORMS
 
 
 def _on_every_device(ctx, primitive, args, **params):
@@ -134,7 +146,7 @@ fence_begin_p.def_effectful_abstract_eval(_begin_abstract_eval)
 
 
 def _begin_lowering(ctx, *, chains):
-    if not _fenced(ctx):
+    if not (_fenced(ctx) and _native(ctx)):  # a fence on JAX's callbacks needs no begin
         ctx.set_tokens_out(ctx.tokens_in)
         return [mlir.ir_constant(np.uint32(0))]
     outs = _on_every_device(ctx, fence_begin_p, [], chains=chains)
@@ -171,6 +183,13 @@ def _end_lowering(ctx, ident, *, chains):
     if outs is not None:
         return []
     tokens = _chain_tokens(ctx, chains) or [jx.hlo.create_token()]
+    if not _native(ctx):
+        token = tokens[0] if len(tokens) == 1 else jx.hlo.after_all(tokens)
+        manual = isinstance(ctx.module_context.axis_context, jx.SPMDAxisContext)
+        token_out = transport.callback.lower_fence(
+            ctx, token, op_sharding=jx.manual_sharding([0, 0]) if manual else None)
+        _pass_tokens(ctx, chains, token_out)
+        return []
     call_ctx = dataclasses.replace(
         ctx, avals_in=[jx.abstract_token] * len(tokens) + [ID_AVAL, _WEIGHT_AVAL],
         avals_out=[jx.abstract_token])

@@ -16,23 +16,30 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import hostcallback as hcb
 from helpers import run_pytest, run_python
 from hostcallback import config
+from hostcallback._trace import fence
 
 STEPS = 10
 
 
-def _slow_loop(tap):
-    """A jitted loop of STEPS steps of matrix products (several ms each) that taps each step."""
+def _loop(tap):
+    """A loop of STEPS steps of matrix products (several ms each) that taps each step."""
 
     def body(i, c):
         c = jnp.tanh(c @ c) / 2.0
         tap(i, c)
         return c
 
-    return jax.jit(lambda x: lax.fori_loop(0, STEPS, body, x))
+    return lambda x: lax.fori_loop(0, STEPS, body, x)
+
+
+def _slow_loop(tap):
+    return jax.jit(_loop(tap))
 
 
 TAPS = {
@@ -53,6 +60,42 @@ def test_results_ready_means_every_tap_of_the_computation_was_handled(transport,
         loop(x).block_until_ready()
         short += len(seen) < STEPS
     assert short == 0
+
+
+def _tapping_step(shape: str, tap):
+    """A jitted step of several ms that taps (on every device but in a sharded jit), and its
+    input, on one device, under pmap or in a jit sharded over the 4 devices."""
+    if shape == "pmap":
+        return jax.pmap(_loop(tap)), jnp.ones((4, 200, 200)) / 200
+    x = jnp.ones((200, 200)) / 200
+    if shape == "sharded jit":
+        mesh = jax.make_mesh((4,), ("d",))
+        x = jax.device_put(x, NamedSharding(mesh, P("d")))
+    return _slow_loop(tap), x
+
+
+@pytest.mark.needs_internals("a fence on JAX's host callbacks", shape="sharded jit")
+@pytest.mark.parametrize("shape", ["one device", "pmap", "sharded jit"])
+def test_where_our_fence_has_no_handler_one_of_jaxs_host_callbacks_makes_results_wait(
+        monkeypatch, shape):
+    """TPU and ROCm have no native fence; there the callback transport's taps are waited for by
+    a host callback of JAX's (transport/callback.py: lower_fence). The CPU is made one of them
+    here."""
+    monkeypatch.setattr(fence, "FENCED_PLATFORMS", frozenset())
+    seen: list[int] = []
+
+    def slow(value, _):
+        time.sleep(0.01)
+        seen.append(int(value))
+
+    with config.override(transport="callback"):
+        step, x = _tapping_step(shape, lambda i, c: hcb.id_tap(slow, i))
+        lowered = step.lower(x).as_text()
+        assert "hostcallback_fence" not in lowered and "hostcallback_begin" not in lowered
+        for _ in range(3):
+            seen.clear()
+            step(x).block_until_ready()
+            assert len(seen) == STEPS * (4 if shape == "pmap" else 1)
 
 
 def test_id_print_has_printed_once_the_result_is_ready(transport, capsys):

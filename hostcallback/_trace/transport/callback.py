@@ -97,9 +97,7 @@ def lower_call(ctx, args, *, consumer_id: int, emit_device: int, device_index: i
             return zeros()[:-1] + (np.uint32(outfeed.keep_call_failure(consumer_id, reason)),)
         return results + (np.uint32(0),) if shared else results
 
-    if isinstance(op_sharding, jx.SdyArrayList) and result_avals:
-        # With results, JAX adds the token's annotation itself.
-        op_sharding = jx.SdyArrayList(op_sharding.shardings[1:])
+    op_sharding = _with_results(op_sharding, result_avals)
 
     def emit():
         partition = hlo.partition_id()
@@ -116,6 +114,38 @@ def lower_call(ctx, args, *, consumer_id: int, emit_device: int, device_index: i
     token_out, *results = _on_emitting_partition(ctx, emit_device, device_index,
                                                   list(result_avals), emit, not_calling)
     return token_out, results
+
+
+def lower_fence(ctx, token, *, op_sharding):
+    """A computation's fence where ours has no native handler (TPU, ROCm; fence.py): the
+    device's Python callback waits (GIL released) until the device's receiver has handled every
+    tap enqueued so far, as the native fence does, and answers; the device waits for the
+    answer, and so the computation's results wait for its taps. Its words when they cannot be
+    handled (stopped, failed) fail the computation."""
+    device_of = _device_of_partition(ctx.module_context.axis_context)
+
+    def await_taps(partition):
+        device = device_of(partition)
+        failure = outfeed.await_taps(device.id, platform=device.platform)
+        if failure:
+            raise RuntimeError(failure)
+        return (np.uint32(0),)
+
+    callback_ctx = dataclasses.replace(ctx, avals_in=[_PARTITION_AVAL],
+                                       avals_out=[_PARTITION_AVAL])
+    _, token_out, _ = jx.emit_python_callback(
+        callback_ctx, await_taps, token, [hlo.partition_id()], [_PARTITION_AVAL],
+        [_PARTITION_AVAL], has_side_effect=True, returns_token=True,
+        sharding=_with_results(op_sharding, [_PARTITION_AVAL]))
+    return token_out
+
+
+def _with_results(op_sharding, result_avals: list):
+    """A callback's sharding (token first) as emit_python_callback takes it: with results, JAX
+    adds the token's annotation itself."""
+    if isinstance(op_sharding, jx.SdyArrayList) and result_avals:
+        return jx.SdyArrayList(op_sharding.shardings[1:])
+    return op_sharding
 
 
 def _ir_type(aval) -> ir.Type:

@@ -357,7 +357,7 @@ DeviceQueue::Handled DeviceQueue::WaitHandled(uint64_t target, double timeout_s,
   // wake-up of this thread on top, on the path of every step (spin_wait.h).
   if (spin) {
     lock.unlock();
-    SpinYielding(kFenceSpin,
+    SpinYielding(SpinWithin(kFenceSpin, timeout_s),
                  [&] { return handled_published_.load(std::memory_order_acquire) >= target; });
     lock.lock();
   }

@@ -55,9 +55,15 @@ std::string Responses::Wait(Key key, double timeout_s, Response* out, double cal
   if (entry == table_.end()) return kStoppedMessage;
   auto answered = [&] { return closed_ || entry->second.answered || failed_.count(key.first) > 0; };
   // The receiver answers a small call within microseconds: see spin_wait.h.
-  SpinUnlocked(lock, kAnswerSpin, answered);
+  const auto start = std::chrono::steady_clock::now();
+  SpinUnlocked(lock, SpinWithin(kAnswerSpin, timeout_s), answered);
+  double left = timeout_s;
+  if (!WaitsForever(timeout_s)) {  // > 0: a spent timeout must not mean "forever"
+    const std::chrono::duration<double> spent = std::chrono::steady_clock::now() - start;
+    left = std::max(timeout_s - spent.count(), kAtOnceSeconds);
+  }
   std::string interrupted;
-  WaitInterruptibly(cv_, lock, timeout_s, answered, &interrupted);
+  WaitInterruptibly(cv_, lock, left, answered, &interrupted);
   // A handler that raised ends the call even if its answer came meanwhile: the interruption
   // is what the computation must see, not the next call's.
   const bool got = entry->second.answered && interrupted.empty();

@@ -121,7 +121,8 @@ std::string SharedCalls::Join(int64_t run_id, uint64_t consumer_id, int device, 
   // 1. Every part waits until all have come, or the outcome is decided without them.
   std::string interrupted;
   auto all_here = [&] { return call.decided || call.shards.size() >= call.parts; };
-  SpinUnlocked(lock, kPartSpin, all_here);  // the others are usually microseconds away
+  // The others are usually microseconds away.
+  SpinUnlocked(lock, SpinWithin(kPartSpin, left_of(patience)), all_here);
   if (!WaitInterruptibly(cv_, lock, left_of(patience), all_here, &interrupted) ||
       !interrupted.empty()) {
     if (!call.decided && !call.calling) {

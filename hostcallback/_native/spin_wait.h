@@ -6,9 +6,12 @@
 #ifndef HOSTCALLBACK_NATIVE_SPIN_WAIT_H_
 #define HOSTCALLBACK_NATIVE_SPIN_WAIT_H_
 
+#include <algorithm>
 #include <chrono>
 #include <mutex>
 #include <thread>
+
+#include "timeouts.h"
 
 namespace hostcallback {
 
@@ -21,6 +24,14 @@ bool SpinYielding(std::chrono::microseconds limit, Done done) {
     std::this_thread::yield();
   }
   return true;
+}
+
+// `limit`, or less where the wait's own timeout (seconds; WaitsForever: none) is shorter: a
+// spin never waits past the timeout of the wait it begins.
+inline std::chrono::microseconds SpinWithin(std::chrono::microseconds limit, double timeout_s) {
+  if (WaitsForever(timeout_s)) return limit;
+  return std::min(limit, std::chrono::duration_cast<std::chrono::microseconds>(
+                             std::chrono::duration<double>(timeout_s)));
 }
 
 // SpinYielding with `lock` released, done() checked with its mutex held; `lock` is held again

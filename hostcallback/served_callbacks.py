@@ -201,8 +201,9 @@ def _as_outside_call(eqn, served_primitive):
         result_treedef=(tree_util.tree_structure(tuple(range(len(eqn.outvars))))
                         if is_call else None),
         result_avals=tuple((v.aval.shape, v.aval.dtype) for v in eqn.outvars) if is_call else (),
-        # JAX fails the computation whose debug callback raised; so does our fence, where the
-        # computation has one (results ready once its taps were handled).
+        # JAX fails the computation whose debug callback raised; so does our native fence,
+        # where the computation has one (results ready once its taps were handled; served
+        # callbacks run only where the fence is native).
         fails_computation=not is_call and config.settings.delivery != "async")
     ordered = _is_ordered(eqn)
     flavor = _FLAVORS[kind]

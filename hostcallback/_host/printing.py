@@ -149,9 +149,9 @@ class Printer(EqualByKey):
 
 
 class HostArray(np.ndarray):
-    """A tapped array as ``hostcallback.debug`` hands it over: a read-only numpy array (a view
-    of the record, no copy) that prints, formats and reprs as a CPU ``jax.Array`` does, so
-    ``print`` writes what ``jax.debug.print`` writes."""
+    """A tapped array as ``hostcallback.debug.print`` and a served ``jax.debug.print`` format
+    it: a read-only numpy array (a view of the record, no copy) that prints, formats and reprs
+    as a CPU ``jax.Array`` does, so they write what ``jax.debug.print`` writes."""
 
     def __repr__(self) -> str:
         prefix, dtype = "Array(", f"dtype={self.dtype.name}"

@@ -20,11 +20,11 @@ computations compiled after it: results are ready as soon as the device is done,
 are delivered behind them. On a CUDA GPU with HOSTCALLBACK_GPU_FENCE=1 the begin writes a 0 id
 and the fence is a host function on the stream that waits for the taps (the stream waits there;
 XLA's launching thread goes on), and "dispatch" means "handled"; without it, until the GPU fence
-has been measured on a GPU, a GPU's results are ready as with "async". Where our fence has no
-native handler (TPU, ROCm) the fence is one of JAX's host callbacks with an answer, which waits
-for the taps in Python (transport/callback.py) while the device waits for the answer, and there
-is no begin. This module only writes computations;
-it never waits itself.
+has been measured on a GPU, a GPU's results are ready as with "async". On TPU and ROCm, with
+HOSTCALLBACK_CALLBACK_FENCE=1 (also until measured there), the fence is one of JAX's host
+callbacks with an answer, which waits for the taps in Python (transport/callback.py) while the
+device waits for the answer, and there is no begin. This module only writes computations; it
+never waits itself.
 """
 
 from __future__ import annotations
@@ -74,14 +74,19 @@ _deliveries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # results are ready before their taps were handled, as with delivery="async".
 GPU_FENCE = config.env_bool("HOSTCALLBACK_GPU_FENCE", False)
 # Where the begin and the fence have handlers: the CPU's run on XLA's device thread; on a CUDA GPU
-# "dispatch" is "handled". Everywhere else but a CUDA GPU without the flag (TPU, ROCm) the fence
-# is a host callback of JAX's that waits for the taps in Python (transport/callback.py:
-# lower_fence), and there is no begin: barriers do not see those computations running (their
-# results, and the markers behind them, bring them along).
-_GPU_FENCE_UNMEASURED = frozenset() if GPU_FENCE else frozenset({"cuda"})
+# "dispatch" is "handled".
 FENCED_PLATFORMS = ((frozenset({outfeed.NATIVE_PLATFORM})
                      | (transport.NATIVE_GPU_PLATFORMS if GPU_FENCE else frozenset()))
                     if transport.NATIVE_PLATFORMS else frozenset())
+# On TPU and ROCm, where the callback transport serves, the fence is one of JAX's host callbacks
+# that waits for the taps in Python (transport/callback.py: lower_fence), with no begin (barriers
+# do not see those computations running; their results, and the markers behind them, bring them
+# along). It makes every execution of a tapped computation wait for a host round trip per
+# device, taps fired or not, which has not been measured on a TPU: until it has, it runs only
+# where HOSTCALLBACK_CALLBACK_FENCE=1 asks for it, and results are ready there as with
+# delivery="async", as JAX's own callbacks' are on TPU.
+CALLBACK_FENCE = config.env_bool("HOSTCALLBACK_CALLBACK_FENCE", False)
+CALLBACK_FENCED_PLATFORMS = frozenset({"tpu", "rocm"}) if CALLBACK_FENCE else frozenset()
 
 
 def _delivery(ctx) -> str:
@@ -99,7 +104,7 @@ def _delivery(ctx) -> str:
 def _fenced(ctx) -> bool:
     platform = ctx.module_context.platforms[0]
     return _delivery(ctx) != "async" and (platform in FENCED_PLATFORMS
-                                          or platform not in _GPU_FENCE_UNMEASURED)
+                                          or platform in CALLBACK_FENCED_PLATFORMS)
 
 
 def _native(ctx) -> bool:

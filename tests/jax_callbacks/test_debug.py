@@ -84,9 +84,11 @@ def test_positional_and_keyword_pytrees_and_static_leaves_reach_the_callback(tra
 @needs_serving
 def test_arrays_arrive_as_jax_arrays_on_the_cpu_as_jaxs_do(transport):
     seen = []
-    jax.jit(lambda x: hcb_debug.callback(lambda v: seen.append(v), x))(X)
+    jax.jit(lambda x: hcb_debug.callback(
+        lambda v: seen.append((threading.current_thread().name, v)), x))(X)
     hcb_debug.effects_barrier()
-    (value,) = seen
+    ((thread, value),) = seen
+    assert thread.startswith("hostcallback-receiver")  # served, not JAX's lowering
     assert isinstance(value, jax.Array)
     assert {device.platform for device in value.devices()} == {"cpu"}
     assert repr(value) == repr(X) and str(value) == str(X)
@@ -118,11 +120,14 @@ def test_a_callback_without_arrays_is_called_once(transport, args):
 
 
 @needs_serving
-def test_under_vmap_each_element_arrives_as_a_jax_array(transport):
+def test_under_vmap_each_element_arrives_as_a_jax_array_on_a_receiver_thread(transport):
     seen = []
-    jax.jit(jax.vmap(lambda x: hcb_debug.callback(lambda v: seen.append(v), x)))(X)
+    jax.jit(jax.vmap(lambda x: hcb_debug.callback(
+        lambda v: seen.append((threading.current_thread().name, v)), x)))(X)
     hcb_debug.effects_barrier()
-    assert len(seen) == 2 and all(isinstance(v, jax.Array) and v.shape == (3,) for v in seen)
+    assert len(seen) == 2
+    assert all(thread.startswith("hostcallback-receiver") for thread, _ in seen)  # served
+    assert all(isinstance(v, jax.Array) and v.shape == (3,) for _, v in seen)
 
 
 def test_key_arrays_arrive_as_key_arrays_also_per_batch_element(transport):

@@ -78,10 +78,11 @@ def _tapping_step(shape: str, tap):
 @pytest.mark.parametrize("shape", ["one device", "pmap", "sharded jit"])
 def test_where_our_fence_has_no_handler_one_of_jaxs_host_callbacks_makes_results_wait(
         monkeypatch, shape):
-    """TPU and ROCm have no native fence; there the callback transport's taps are waited for by
-    a host callback of JAX's (transport/callback.py: lower_fence). The CPU is made one of them
-    here."""
+    """TPU and ROCm have no native fence; there, with HOSTCALLBACK_CALLBACK_FENCE=1, the
+    callback transport's taps are waited for by a host callback of JAX's
+    (transport/callback.py: lower_fence). The CPU is made one of them here."""
     monkeypatch.setattr(fence, "FENCED_PLATFORMS", frozenset())
+    monkeypatch.setattr(fence, "CALLBACK_FENCED_PLATFORMS", frozenset({"cpu"}))
     seen: list[int] = []
 
     def slow(value, _):

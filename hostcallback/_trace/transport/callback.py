@@ -117,11 +117,14 @@ def lower_call(ctx, args, *, consumer_id: int, emit_device: int, device_index: i
 
 
 def lower_fence(ctx, token, *, op_sharding):
-    """A computation's fence where ours has no native handler (TPU, ROCm; fence.py): the
-    device's Python callback waits (GIL released) until the device's receiver has handled every
-    tap enqueued so far, as the native fence does, and answers; the device waits for the
-    answer, and so the computation's results wait for its taps. Its words when they cannot be
-    handled (stopped, failed) fail the computation."""
+    """A computation's fence where ours has no native handler (TPU, ROCm, with
+    HOSTCALLBACK_CALLBACK_FENCE=1; fence.py): the device's Python callback waits (GIL released)
+    until the device's receiver has handled every tap enqueued so far, as the native fence does,
+    and answers; the device waits for the answer, and so the computation's results wait for its
+    taps. A failed queue, a fork or an interruption fails the computation with its words; a
+    stopped receiver, or a consumer stuck past the fence's patience, lets it go on, as the
+    native fence does. A debug callback that raised does not fail it (no begin tells which
+    computation made the tap); the next barrier raises it."""
     device_of = _device_of_partition(ctx.module_context.axis_context)
 
     def await_taps(partition):

@@ -99,6 +99,16 @@ def test_where_our_fence_has_no_handler_one_of_jaxs_host_callbacks_makes_results
             assert len(seen) == STEPS * (4 if shape == "pmap" else 1)
 
 
+@pytest.mark.needs_internals("a fence on JAX's host callbacks")
+@pytest.mark.parametrize("flag", ["", "1"], ids=["by default", "HOSTCALLBACK_CALLBACK_FENCE=1"])
+def test_the_callback_fence_serves_tpu_and_rocm_only_where_asked_for(flag):
+    result = run_python("from hostcallback._trace import fence\n"
+                        "print(sorted(fence.CALLBACK_FENCED_PLATFORMS))",
+                        env={"HOSTCALLBACK_CALLBACK_FENCE": flag})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == (["['rocm',", "'tpu']"] if flag else ["[]"])
+
+
 def test_id_print_has_printed_once_the_result_is_ready(transport, capsys):
     loop = _slow_loop(lambda i, c: hcb.id_print(i, what="step"))
     for _ in range(5):

@@ -9,7 +9,6 @@
 
 #include "device_queue.h"
 #include "interrupts.h"
-#include "spin_wait.h"
 #include "timeouts.h"
 
 namespace hostcallback {
@@ -37,6 +36,7 @@ bool Responses::Set(Key key, Response response) {
     if (found == table_.end() || found->second.answered) return false;
     found->second.answered = true;
     found->second.response = std::move(response);
+    changes_.Bump();
   }
   cv_.notify_all();
   return true;
@@ -56,7 +56,7 @@ std::string Responses::Wait(Key key, double timeout_s, Response* out, double cal
   auto answered = [&] { return closed_ || entry->second.answered || failed_.count(key.first) > 0; };
   // The receiver answers a small call within microseconds: see spin_wait.h.
   const auto start = std::chrono::steady_clock::now();
-  SpinUnlocked(lock, SpinWithin(kAnswerSpin, timeout_s), answered);
+  SpinUnlocked(lock, changes_, SpinWithin(kAnswerSpin, timeout_s), answered);
   double left = timeout_s;
   if (!WaitsForever(timeout_s)) {  // > 0: a spent timeout must not mean "forever"
     const std::chrono::duration<double> spent = std::chrono::steady_clock::now() - start;
@@ -92,6 +92,7 @@ void Responses::SetClosed(bool closed) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     closed_ = closed;
+    changes_.Bump();
   }
   cv_.notify_all();
 }
@@ -100,6 +101,7 @@ void Responses::Fail(const DeviceQueue* queue, const std::string& reason) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     failed_[queue] = reason;
+    changes_.Bump();
   }
   cv_.notify_all();
 }

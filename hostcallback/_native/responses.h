@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "record.h"
+#include "spin_wait.h"
 
 namespace hostcallback {
 
@@ -67,6 +68,7 @@ class Responses {
   };
   std::mutex mu_;
   std::condition_variable cv_;
+  Changes changes_;  // an answer, a close, a failure: what a spinning Wait looks for
   std::map<Key, Entry> table_;
   std::map<const DeviceQueue*, std::string> failed_;
   bool closed_ = false;

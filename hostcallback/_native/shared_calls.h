@@ -23,6 +23,7 @@
 
 #include "record.h"
 #include "responses.h"
+#include "spin_wait.h"
 
 namespace hostcallback {
 
@@ -78,6 +79,7 @@ class SharedCalls {
 
   std::mutex mu_;
   std::condition_variable cv_;
+  Changes changes_;  // a part came, a call was decided or its host call ended
   std::map<Key, Call> calls_;
   // Decided calls, newest last: the oldest are dropped, so a call some part never came to
   // (XLA never started it) is not kept for good.

@@ -258,14 +258,12 @@ ffi::Error CallImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consu
 // or error. ordinals: the devices that run the computation, in the order the host gets their
 // shards; sends[p * operands + i]: whether the p-th sends operand i (one device of those that
 // hold the same shard); name: the call function's, for errors. The last output is a uint32 set
-// to 1: even a call without results returns something, so that its part is kept. answers = 0:
-// a whole-value tap, whose record emit_device's part enqueues without waiting for the host (the
-// parts wait only for each other, since the record is copied from their shards).
+// to 1: even a call without results returns something, so that its part is kept.
 ffi::Error SharedCallImpl(int32_t device_ordinal, ffi::RunId run, ffi::ThreadPool pool,
                           uint64_t consumer_id, int64_t emit_device,
                           ffi::Span<const int64_t> ordinals, ffi::Span<const int64_t> sends,
-                          double timeout_s, std::string_view name, int64_t answers,
-                          ffi::RemainingArgs args, ffi::RemainingRets rets) {
+                          double timeout_s, std::string_view name, ffi::RemainingArgs args,
+                          ffi::RemainingRets rets) {
   return Guarded([&]() -> ffi::Error {
     const size_t parts = ordinals.size();
     const auto own = std::find(ordinals.begin(), ordinals.end(), int64_t{device_ordinal});
@@ -293,15 +291,9 @@ ffi::Error SharedCallImpl(int32_t device_ordinal, ffi::RunId run, ffi::ThreadPoo
       if (sends[first + i] != 0) arrays.push_back(operands[i]);
     }
     DeviceQueue* queue = NativeQueueFor(static_cast<int>(emit_device));
-    auto call_host = [&](ArrayViews all, double left_s, Response* answer) -> std::string {
-      if (answers != 0) {
-        return CallHost(queue, static_cast<int>(emit_device), consumer_id, all, left_s, answer,
-                        kFlagExpectsResponse, &pool);
-      }
-      const int64_t pushed =
-          Enqueue(queue, static_cast<int>(emit_device), consumer_id, all, 0, 0, &pool);
-      if (pushed == DeviceQueue::kDroppedAtExit || pushed >= 0) return "";
-      return WhyNotEnqueued(queue, pushed, 0);
+    auto call_host = [&](ArrayViews all, double left_s, Response* answer) {
+      return CallHost(queue, static_cast<int>(emit_device), consumer_id, all, left_s, answer,
+                      kFlagExpectsResponse, &pool);
     };
     auto take_answer = [&](const Response& answer) -> std::string {  // then a uint32 1
       if (std::string bad = CopyAnswer(answer, rets, rets.size() - 1); !bad.empty()) return bad;
@@ -395,7 +387,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackSharedCall, SharedCallImpl,
                                   .Attr<ffi::Span<const int64_t>>("sends")
                                   .Attr<double>("timeout_s")
                                   .Attr<std::string_view>("name")
-                                  .Attr<int64_t>("answers")
                                   .RemainingArgs()
                                   .RemainingRets());
 

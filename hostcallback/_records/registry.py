@@ -88,17 +88,14 @@ class Consumer:
 
     def __post_init__(self) -> None:
         # Looked up on the class: an object that answers every attribute (a Mock) takes no batches.
-        # A tap whose records carry shards (gathered) is delivered whole, one record at a time.
-        if (not self.is_call and not self.gathered
-                and getattr(type(self.func), "tap_batch", None) is not None):
+        if not self.is_call and getattr(type(self.func), "tap_batch", None) is not None:
             object.__setattr__(self, "tap_batch", self.func.tap_batch)
         object.__setattr__(self, "deliver", self._make_deliver())
 
     def _make_deliver(self) -> Callable[..., Any]:
         """invoke(), without the branches that never apply to this consumer: most taps are a
         plain function of one array or of a pytree, without device or key arrays."""
-        if (self.is_call or self.with_device or self.key_impls or self.per_device_transforms
-                or self.gathered):
+        if self.is_call or self.with_device or self.key_impls or self.per_device_transforms:
             return self.invoke
         func, transforms = self.func, self.transforms
         if self.treedef.num_nodes == 1 and self.treedef.num_leaves == 1:  # one array

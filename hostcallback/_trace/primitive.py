@@ -277,7 +277,7 @@ def _lowering(ctx, *args, platform, **params):
                 if shard_callback is not None:
                     params["shard_callback"] = shard_callback
                 return sharded_lowering.lower_partitioned(ctx, args, outside_call_p, **params)
-            if sharded_lowering.meets_in_handler(ctx, emit) and (is_call or args):
+            if is_call and sharded_lowering.meets_in_handler(ctx, emit):
                 return sharded_lowering.lower_shared_call(ctx, args, outside_call_p, **params)
             del params["emit_device"]
             return sharded_lowering.lower_on_one_device(ctx, args, outside_call_p, **params)
@@ -297,8 +297,7 @@ def _lowering(ctx, *args, platform, **params):
                                        sends=params["shared_sends"],
                                        token=token, op_sharding=op_sharding,
                                        result_avals=result_avals, timeout_s=timeout_s,
-                                       name=registry.get(consumer_id).name,
-                                       answers=registry.get(consumer_id).is_call)
+                                       name=registry.get(consumer_id).name)
     elif is_call:
         token, outs = emit.lower_call(ctx, list(args), consumer_id=consumer_id,
                                 emit_device=emit_device, device_index=params["device_index"],

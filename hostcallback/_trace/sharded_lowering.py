@@ -7,12 +7,11 @@ callback targets, so we build the two forms ourselves:
   which every device sees the whole value and only the device at ``device_index`` enqueues it
   (or, for a call, calls the host; the others get zeros, and a sum over the devices hands every
   device the caller's results, bit for bit).
-- a call, or a tap of the whole value, on the devices of this process alone (native transport):
-  a custom_partitioning op that leaves the operands where XLA put them and meets in our handler,
-  not in XLA's collectives (lower_shared_call; a tap enqueues the shards there and waits for no
-  answer). XLA's CPU client sometimes leaves one device's part of a step unstarted while the
-  others wait in a collective, and ends the process after its rendezvous limit; our handler
-  fails the computation within the call's timeout instead.
+- a call on the devices of this process alone (native transport): a custom_partitioning op that
+  leaves the operands where XLA put them and meets in our handler, not in XLA's collectives
+  (lower_shared_call). XLA's CPU client sometimes leaves one device's part of a step unstarted
+  while the others wait in a collective, and ends the process after its rendezvous limit; our
+  handler fails the computation within the call's timeout instead.
 - ``partitioned=True`` (taps): a custom_partitioning op that XLA splits like its operands; each
   device taps its own shard, nothing is gathered, and the consumer learns the shard's place from
   a ``("shard", ...)`` transform.
@@ -153,13 +152,10 @@ def lower_shared_call(ctx, args, outside_call_p, *, device_index, **params):
     """A call shared over the devices of this sharded jit, met in the handler (module docstring):
     each device's part brings its own shard of the operands, where XLA put them, and gets the
     whole answer; the host assembles the shards. Ordered after the taps before it and before
-    those after it by order points on every device (order_p), which carry the token. A
-    whole-value tap (no result_avals) meets the same way, without an answer: the device that
-    taps enqueues every part's shards, and the tap returns its operands."""
+    those after it by order points on every device (order_p), which carry the token."""
     devices = ctx.module_context.axis_context.device_assignment
     emit_device = devices[device_index].id
-    is_tap = params["result_avals"] is None
-    consumer_id, result_avals = params.pop("consumer_id"), tuple(params.pop("result_avals") or ())
+    consumer_id, result_avals = params.pop("consumer_id"), tuple(params.pop("result_avals"))
     params.pop("emit_device")
     effect = ordered_tap_effect if params["ordered"] else program_order_effect
     threaded = effect in ctx.tokens_in.effects()
@@ -219,13 +215,12 @@ def lower_shared_call(ctx, args, outside_call_p, *, device_index, **params):
                                                                                    *operands)
     # custom_partitioning's op declares no side effect; a call whose result is unused must stay.
     done.owner.attributes["has_side_effect"] = ir.BoolAttr.get(True)
-    if not is_tap:
-        jx.run_synchronously(ctx)  # as a call on one device (native.lower_call)
+    jx.run_synchronously(ctx)  # as a call on one device (native.lower_call)
     if threaded:  # the taps after it come after its answer, on every device
         _, tokens = regions.on_every_device(ctx, tokens, lambda d: order_p.bind(d, effect=effect),
                                      [done], [_DONE], [_DONE])
     ctx.set_tokens_out(tokens)
-    return list(args) if is_tap else outs
+    return outs
 
 
 def _splits_evenly(arg_shape) -> bool:

@@ -84,20 +84,17 @@ def lower_call(ctx, args, *, consumer_id: int, emit_device: int, device_index: i
 
 def lower_shared_call(ctx, args, *, consumer_id: int, emit_device: int, parts: tuple,
                       sends: tuple, token, op_sharding, result_avals, timeout_s: float,
-                      name: str, answers: bool = True):
+                      name: str):
     """One device's part of a call shared by the devices ``parts`` (ids): it brings its shards of
     ``args`` (those ``sends`` says it sends), emit_device's part calls the host with every
     part's, and each part returns the same answer (its last result, a uint32, is 1) or fails
-    with the same error, which names the call function (``name``): (token, *results). Without
-    ``answers``, a whole-value tap: emit_device's part enqueues the record and does not wait for
-    the host."""
+    with the same error, which names the call function (``name``): (token, *results)."""
     call_ctx = dataclasses.replace(ctx, avals_in=[jx.abstract_token, *ctx.avals_in],
                                    avals_out=[jx.abstract_token, *result_avals])
     token_out, *results = _lower_shared_call(
         call_ctx, token, *args, consumer_id=np.uint64(consumer_id),
         emit_device=np.int64(emit_device), ordinals=np.array(parts, np.int64),
-        sends=np.array(sends, np.int64), timeout_s=np.float64(timeout_s), name=name,
-        answers=np.int64(answers))
+        sends=np.array(sends, np.int64), timeout_s=np.float64(timeout_s), name=name)
     if op_sharding is not None:
         jx.set_sharding(ctx.module_context, token_out.owner, op_sharding)
     return token_out, results

@@ -257,13 +257,14 @@ ffi::Error CallImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consu
 // operands, emit_device's calls the host with all of them, and every part gets the same answer
 // or error. ordinals: the devices that run the computation, in the order the host gets their
 // shards; sends[p * operands + i]: whether the p-th sends operand i (one device of those that
-// hold the same shard); name: the call function's, for errors. The last output is a uint32 set
-// to 1: even a call without results returns something, so that its part is kept.
+// hold the same shard); name: the call function's, for errors; site: the call op's own id, the
+// same in every device's part (the parts meet by it). The last output is a uint32 set to 1: even
+// a call without results returns something, so that its part is kept.
 ffi::Error SharedCallImpl(int32_t device_ordinal, ffi::RunId run, ffi::ThreadPool pool,
                           uint64_t consumer_id, int64_t emit_device,
                           ffi::Span<const int64_t> ordinals, ffi::Span<const int64_t> sends,
-                          double timeout_s, std::string_view name, ffi::RemainingArgs args,
-                          ffi::RemainingRets rets) {
+                          double timeout_s, std::string_view name, uint64_t site,
+                          ffi::RemainingArgs args, ffi::RemainingRets rets) {
   return Guarded([&]() -> ffi::Error {
     const size_t parts = ordinals.size();
     const auto own = std::find(ordinals.begin(), ordinals.end(), int64_t{device_ordinal});
@@ -306,8 +307,8 @@ ffi::Error SharedCallImpl(int32_t device_ordinal, ffi::RunId run, ffi::ThreadPoo
       return "";
     };
     std::string problem =
-        g_shared_calls.Join(run.run_id, consumer_id, device_ordinal, static_cast<int>(emit_device),
-                            parts, timeout_s, ArrayViews(arrays), call_host, take_answer);
+        g_shared_calls.Join(run.run_id, site, device_ordinal, static_cast<int>(emit_device), parts,
+                            timeout_s, ArrayViews(arrays), call_host, take_answer);
     if (problem.empty()) return ffi::Error::Success();
     if (!name.empty() && problem.find(name) == std::string::npos) {
       problem += " (the call of " + std::string(name) + ")";
@@ -387,6 +388,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackSharedCall, SharedCallImpl,
                                   .Attr<ffi::Span<const int64_t>>("sends")
                                   .Attr<double>("timeout_s")
                                   .Attr<std::string_view>("name")
+                                  .Attr<uint64_t>("site")
                                   .RemainingArgs()
                                   .RemainingRets());
 

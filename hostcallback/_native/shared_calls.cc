@@ -37,10 +37,10 @@ std::string InterruptedMessage(const std::string& interrupted) {
 
 }  // namespace
 
-uint64_t SharedCalls::NextOccurrence(int64_t run_id, uint64_t consumer_id, int device) {
+uint64_t SharedCalls::NextOccurrence(int64_t run_id, uint64_t site, int device) {
   // Under mu_. A part unused while kPartsKept others were used restarts at 0: it then meets no
   // other part and fails after its patience, never taking another occurrence's answer.
-  const Part part{run_id, consumer_id, device};
+  const Part part{run_id, site, device};
   auto found = occurrences_.find(part);
   if (found != occurrences_.end()) {
     recent_parts_.splice(recent_parts_.end(), recent_parts_, found->second.second);
@@ -87,7 +87,7 @@ void SharedCalls::Decide(const Key& key, Call& call, std::string error, Response
   cv_.notify_all();
 }
 
-std::string SharedCalls::Join(int64_t run_id, uint64_t consumer_id, int device, int emit_device,
+std::string SharedCalls::Join(int64_t run_id, uint64_t site, int device, int emit_device,
                               size_t parts, double timeout_s, ArrayViews shard,
                               const HostCaller& call_host, const AnswerTaker& take_answer) {
   using Seconds = std::chrono::duration<double>;
@@ -98,7 +98,7 @@ std::string SharedCalls::Join(int64_t run_id, uint64_t consumer_id, int device, 
   const double patience =
       forever ? kPartsPatienceSeconds : std::min(timeout_s, kPartsPatienceSeconds);
   std::unique_lock<std::mutex> lock(mu_);
-  const Key key{run_id, consumer_id, NextOccurrence(run_id, consumer_id, device)};
+  const Key key{run_id, site, NextOccurrence(run_id, site, device)};
   auto [entry, made] = calls_.try_emplace(key);
   Call& call = entry->second;  // map nodes stay put while others come and go
   if (made) {
@@ -106,7 +106,7 @@ std::string SharedCalls::Join(int64_t run_id, uint64_t consumer_id, int device, 
     call.started = Clock::now();
     call.generation = ++generations_;
     // A part of a call that failed and was dropped since: the same outcome, at once.
-    auto failed = failures_.find({run_id, consumer_id});
+    auto failed = failures_.find({run_id, site});
     if (failed != failures_.end()) Decide(key, call, failed->second, {});
   }
   ++call.inside;

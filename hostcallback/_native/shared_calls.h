@@ -41,11 +41,13 @@ using AnswerTaker = std::function<std::string(const Response&)>;
 
 class SharedCalls {
  public:
-  // One device's part joins the call of consumer_id made by its execution run_id (its n-th one
-  // there, n counted per device), with views of its shard, and waits for the outcome (the part
+  // One device's part joins the call at `site` (one id per call op of the program, the same in
+  // every device's part) made by its execution run_id (its n-th one there, n counted per
+  // device: a loop's iterations), with views of its shard, and waits for the outcome (the part
   // stays while the host call may read its shard). Returns "" once take_answer took the
-  // answer, or why there is none. call_host runs on emit_device's part.
-  std::string Join(int64_t run_id, uint64_t consumer_id, int device, int emit_device, size_t parts,
+  // answer, or why there is none. call_host runs on emit_device's part. Two calls of one
+  // consumer at two sites never meet, whatever order XLA runs them in on each device.
+  std::string Join(int64_t run_id, uint64_t site, int device, int emit_device, size_t parts,
                    double timeout_s, ArrayViews shard, const HostCaller& call_host,
                    const AnswerTaker& take_answer);
 
@@ -55,7 +57,7 @@ class SharedCalls {
 
  private:
   using Clock = std::chrono::steady_clock;
-  using Key = std::tuple<int64_t, uint64_t, uint64_t>;  // run id, consumer id, occurrence
+  using Key = std::tuple<int64_t, uint64_t, uint64_t>;  // run id, site, occurrence
 
   struct Call {
     size_t parts = 0;
@@ -71,9 +73,9 @@ class SharedCalls {
     uint64_t generation = 0;  // tells it from an earlier call of the same key in decided_
   };
 
-  using Part = std::tuple<int64_t, uint64_t, int>;  // run id, consumer id, device
+  using Part = std::tuple<int64_t, uint64_t, int>;  // run id, site, device
 
-  uint64_t NextOccurrence(int64_t run_id, uint64_t consumer_id, int device);
+  uint64_t NextOccurrence(int64_t run_id, uint64_t site, int device);
   // Under mu_: the outcome is decided.
   void Decide(const Key& key, Call& call, std::string error, Response answer);
 
@@ -88,7 +90,7 @@ class SharedCalls {
   // Per part: how many calls it has made; the kPartsKept used last (least recently used last).
   std::list<Part> recent_parts_;
   std::map<Part, std::pair<uint64_t, std::list<Part>::iterator>> occurrences_;
-  // Why a (run, consumer) call failed, for a part that comes after its call was dropped: it
+  // Why a (run, site) call failed, for a part that comes after its call was dropped: it
   // fails at once rather than wait alone. The newest kFailuresKept.
   std::map<std::pair<int64_t, uint64_t>, std::string> failures_;
   std::deque<std::pair<int64_t, uint64_t>> failure_order_;

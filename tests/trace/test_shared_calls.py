@@ -7,6 +7,7 @@ end of the process (tests/host/test_call_running_jax.py has the back-to-back ste
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -132,6 +133,26 @@ def test_taps_before_and_after_a_call_keep_their_order(collector):
         compiled(x)
     hcb.barrier_wait()
     assert [float(v) for v in collector.values] == [28.0, -1.0, 280.0] * 10
+
+
+def test_two_calls_of_one_function_in_a_step_meet_apart_each_with_its_own_answer():
+    """Pure calls have no order among them: each call op meets by an id of its own (its site),
+    so a device that runs them in another order than its neighbours cannot cross them."""
+    mesh = jax.make_mesh((4,), ("d",))
+    a = jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("d")))
+    b = jax.device_put(jnp.arange(8.0) * 100, NamedSharding(mesh, P("d")))
+
+    def twice(v):
+        return np.asarray(v) * 2
+
+    step = jax.jit(lambda a, b: (hcb.pure_callback(twice, a, a), hcb.pure_callback(twice, b, b)))
+    text = step.lower(a, b).compile().as_text()
+    sites = re.findall(r"\bsite\s*=\s*(\d+)", text)
+    assert len(sites) == 2 and len(set(sites)) == 2, sites
+    for _ in range(20):
+        out_a, out_b = jax.block_until_ready(step(a, b))
+        np.testing.assert_array_equal(out_a, np.arange(8.0) * 2)
+        np.testing.assert_array_equal(out_b, np.arange(8.0) * 200)
 
 
 FAILING_CALL = """

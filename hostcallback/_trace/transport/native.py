@@ -7,6 +7,7 @@ also returns the host's results. Both have side effects, so XLA keeps them and n
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import numpy as np
@@ -91,10 +92,13 @@ def lower_shared_call(ctx, args, *, consumer_id: int, emit_device: int, parts: t
     with the same error, which names the call function (``name``): (token, *results)."""
     call_ctx = dataclasses.replace(ctx, avals_in=[jx.abstract_token, *ctx.avals_in],
                                    avals_out=[jx.abstract_token, *result_avals])
+    # The parts meet by the op's own id, which XLA gives every device's part of it: two calls of
+    # one consumer in a step then never meet, in whatever order a device runs them.
     token_out, *results = _lower_shared_call(
         call_ctx, token, *args, consumer_id=np.uint64(consumer_id),
         emit_device=np.int64(emit_device), ordinals=np.array(parts, np.int64),
-        sends=np.array(sends, np.int64), timeout_s=np.float64(timeout_s), name=name)
+        sends=np.array(sends, np.int64), timeout_s=np.float64(timeout_s), name=name,
+        site=np.uint64(next(_SHARED_CALL_SITES)))
     if op_sharding is not None:
         jx.set_sharding(ctx.module_context, token_out.owner, op_sharding)
     return token_out, results
@@ -111,6 +115,7 @@ def lower_order(ctx, values, *, token, op_sharding):
 
 
 _ZERO = jx.ShapedArray((), np.uint32)
+_SHARED_CALL_SITES = itertools.count(1)  # one per shared call op lowered in this process
 
 
 def lower_check(ctx, failed, values, *, consumer_id: int, op_sharding):

@@ -32,6 +32,7 @@
 //   gil.h                releasing the GIL safely while the interpreter may be finalizing
 //   exit_gate.{h,cc}     where receiver threads park once exit has delivered what it could
 //   interrupts.{h,cc}    Ctrl-C while the main thread waits for the host
+//   spin_wait.h          a short wait that stays awake before it sleeps, within its timeout
 //   module.cc            this file
 //
 // Rules every file keeps (docs/reliability.md):

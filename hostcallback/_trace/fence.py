@@ -135,9 +135,16 @@ def _pass_tokens(ctx, effects, token) -> None:
         {effect: token for effect in effects if effect in ctx.tokens_in.effects()})))
 
 
-def _manual(ctx, op, ranks) -> None:
+def _manual_sharding(ctx, ranks):
+    """The op's sharding inside a manual region (shard_map: each device on its own), else None."""
     if isinstance(ctx.module_context.axis_context, jx.SPMDAxisContext):
-        jx.set_sharding(ctx.module_context, op, jx.manual_sharding(ranks))
+        return jx.manual_sharding(ranks)
+    return None
+
+
+def _manual(ctx, op, ranks) -> None:
+    if (sharding := _manual_sharding(ctx, ranks)) is not None:
+        jx.set_sharding(ctx.module_context, op, sharding)
 
 
 # ---- the begin ---------------------------------------------------------------------------------
@@ -190,9 +197,8 @@ def _end_lowering(ctx, ident, *, chains):
     tokens = _chain_tokens(ctx, chains) or [jx.hlo.create_token()]
     if not _native(ctx):
         token = tokens[0] if len(tokens) == 1 else jx.hlo.after_all(tokens)
-        manual = isinstance(ctx.module_context.axis_context, jx.SPMDAxisContext)
         token_out = transport.callback.lower_fence(
-            ctx, token, op_sharding=jx.manual_sharding([0, 0]) if manual else None)
+            ctx, token, op_sharding=_manual_sharding(ctx, [0, 0]))
         _pass_tokens(ctx, chains, token_out)
         return []
     call_ctx = dataclasses.replace(

@@ -19,7 +19,6 @@ namespace hostcallback::cuda {
 HOSTCALLBACK_SAME(mem_host_alloc, cuMemHostAlloc);
 HOSTCALLBACK_SAME(mem_free_host, cuMemFreeHost);
 HOSTCALLBACK_SAME(memcpy_dtoh_async, cuMemcpyDtoHAsync_v2);
-HOSTCALLBACK_SAME(launch_host_func, cuLaunchHostFunc);
 HOSTCALLBACK_SAME(ctx_get_current, cuCtxGetCurrent);
 HOSTCALLBACK_SAME(stream_get_ctx, cuStreamGetCtx);
 HOSTCALLBACK_SAME(ctx_push_current, cuCtxPushCurrent_v2);
@@ -28,10 +27,21 @@ HOSTCALLBACK_SAME(get_error_string, cuGetErrorString);
 HOSTCALLBACK_SAME(stream_query, cuStreamQuery);
 HOSTCALLBACK_SAME(stream_is_capturing, cuStreamIsCapturing);
 HOSTCALLBACK_SAME(memset_d32_async, cuMemsetD32Async);
+HOSTCALLBACK_SAME(event_create, cuEventCreate);
+HOSTCALLBACK_SAME(event_record, cuEventRecord);
+HOSTCALLBACK_SAME(event_synchronize, cuEventSynchronize);
+HOSTCALLBACK_SAME(ctx_set_current, cuCtxSetCurrent);
+HOSTCALLBACK_SAME(mem_host_get_device_pointer, cuMemHostGetDevicePointer_v2);
+HOSTCALLBACK_SAME(stream_wait_value32, cuStreamWaitValue32_v2);
 #undef HOSTCALLBACK_SAME
 static_assert(std::is_same_v<Stream, CUstream> && std::is_same_v<Context, CUcontext>);
-static_assert(std::is_same_v<DevicePtr, CUdeviceptr> && std::is_same_v<HostFn, CUhostFn>);
+static_assert(std::is_same_v<Event, CUevent>);
+static_assert(kEventBlockingSync == CU_EVENT_BLOCKING_SYNC);
+static_assert(kEventDisableTiming == CU_EVENT_DISABLE_TIMING);
+static_assert(std::is_same_v<DevicePtr, CUdeviceptr>);
 static_assert(CUDA_SUCCESS == 0 && kHostAllocPortable == CU_MEMHOSTALLOC_PORTABLE);
+static_assert(kHostAllocDeviceMap == CU_MEMHOSTALLOC_DEVICEMAP);
+static_assert(kStreamWaitValueGeq == CU_STREAM_WAIT_VALUE_GEQ);
 static_assert(kErrorNotReady == CUDA_ERROR_NOT_READY);
 static_assert(kStreamCaptureStatusNone == CU_STREAM_CAPTURE_STATUS_NONE);
 #endif
@@ -60,7 +70,6 @@ const Driver* Load(std::string* why) {
   if (!Find(library, "cuMemcpyDtoHAsync_v2", &driver.memcpy_dtoh_async)) {
     missing = "cuMemcpyDtoHAsync_v2";
   }
-  if (!Find(library, "cuLaunchHostFunc", &driver.launch_host_func)) missing = "cuLaunchHostFunc";
   if (!Find(library, "cuCtxGetCurrent", &driver.ctx_get_current)) missing = "cuCtxGetCurrent";
   if (!Find(library, "cuStreamGetCtx", &driver.stream_get_ctx)) missing = "cuStreamGetCtx";
   if (!Find(library, "cuCtxPushCurrent_v2", &driver.ctx_push_current)) {
@@ -75,9 +84,21 @@ const Driver* Load(std::string* why) {
     missing = "cuStreamIsCapturing";
   }
   if (!Find(library, "cuMemsetD32Async", &driver.memset_d32_async)) missing = "cuMemsetD32Async";
+  if (!Find(library, "cuEventCreate", &driver.event_create)) missing = "cuEventCreate";
+  if (!Find(library, "cuEventRecord", &driver.event_record)) missing = "cuEventRecord";
+  if (!Find(library, "cuEventSynchronize", &driver.event_synchronize)) {
+    missing = "cuEventSynchronize";
+  }
+  if (!Find(library, "cuCtxSetCurrent", &driver.ctx_set_current)) missing = "cuCtxSetCurrent";
+  if (!Find(library, "cuMemHostGetDevicePointer_v2", &driver.mem_host_get_device_pointer)) {
+    missing = "cuMemHostGetDevicePointer_v2";
+  }
+  if (!Find(library, "cuStreamWaitValue32_v2", &driver.stream_wait_value32)) {
+    missing = "cuStreamWaitValue32_v2";
+  }
   if (missing != nullptr) {
     *why = std::string("hostcallback: the CUDA driver lacks ") + missing +
-           ", which a GPU tap needs (CUDA 10 or newer)";
+           ", which a GPU tap needs (CUDA 11.7 or newer)";
     return nullptr;
   }
   return &driver;

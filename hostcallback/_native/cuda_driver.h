@@ -13,8 +13,9 @@
 #include <cuda.h>  // the check build: CUresult itself, so that cuda_driver.cc compares signatures
 #endif
 
-struct CUstream_st;  // cuda.h's opaque types: the stream XLA hands a GPU handler, a context
-struct CUctx_st;
+struct CUstream_st;  // cuda.h's opaque types: the stream XLA hands a GPU handler, a context,
+struct CUctx_st;     // an event
+struct CUevent_st;
 
 namespace hostcallback::cuda {
 
@@ -25,33 +26,44 @@ using Result = int;         // CUresult, an enum of int: 0 is CUDA_SUCCESS
 #endif
 using Stream = CUstream_st*;
 using Context = CUctx_st*;
+using Event = CUevent_st*;
 using DevicePtr = unsigned long long;  // CUdeviceptr
-using HostFn = void (*)(void* user_data);
 #ifdef HOSTCALLBACK_CHECK_CUDA_H
 using CaptureStatus = CUstreamCaptureStatus;
 #else
 using CaptureStatus = int;  // CUstreamCaptureStatus, an enum of int
 #endif
 
-inline constexpr unsigned kHostAllocPortable = 0x01;  // CU_MEMHOSTALLOC_PORTABLE
-inline constexpr int kErrorNotReady = 600;            // CUDA_ERROR_NOT_READY
-inline constexpr int kStreamCaptureStatusNone = 0;    // CU_STREAM_CAPTURE_STATUS_NONE
+inline constexpr unsigned kHostAllocPortable = 0x01;   // CU_MEMHOSTALLOC_PORTABLE
+inline constexpr unsigned kHostAllocDeviceMap = 0x02;  // CU_MEMHOSTALLOC_DEVICEMAP
+inline constexpr unsigned kStreamWaitValueGeq = 0x0;   // CU_STREAM_WAIT_VALUE_GEQ
+inline constexpr int kErrorNotReady = 600;             // CUDA_ERROR_NOT_READY
+inline constexpr unsigned kEventBlockingSync = 0x1;    // CU_EVENT_BLOCKING_SYNC
+inline constexpr unsigned kEventDisableTiming = 0x2;   // CU_EVENT_DISABLE_TIMING
+inline constexpr int kStreamCaptureStatusNone = 0;     // CU_STREAM_CAPTURE_STATUS_NONE
 
 struct Driver {
   Result (*mem_host_alloc)(void** host, size_t bytes, unsigned flags);  // cuMemHostAlloc
   Result (*mem_free_host)(void* host);                                  // cuMemFreeHost
   Result (*memcpy_dtoh_async)(void* dst, DevicePtr src, size_t bytes,
-                              Stream);                             // cuMemcpyDtoHAsync_v2
-  Result (*launch_host_func)(Stream, HostFn fn, void* user_data);  // cuLaunchHostFunc
-  Result (*ctx_get_current)(Context* context);                     // cuCtxGetCurrent
-  Result (*stream_get_ctx)(Stream, Context* context);              // cuStreamGetCtx
-  Result (*ctx_push_current)(Context context);                     // cuCtxPushCurrent_v2
-  Result (*ctx_pop_current)(Context* context);                     // cuCtxPopCurrent_v2
-  Result (*get_error_string)(Result error, const char** text);     // cuGetErrorString
-  Result (*stream_query)(Stream);                                  // cuStreamQuery
-  Result (*stream_is_capturing)(Stream, CaptureStatus* status);    // cuStreamIsCapturing
+                              Stream);                           // cuMemcpyDtoHAsync_v2
+  Result (*ctx_get_current)(Context* context);                   // cuCtxGetCurrent
+  Result (*stream_get_ctx)(Stream, Context* context);            // cuStreamGetCtx
+  Result (*ctx_push_current)(Context context);                   // cuCtxPushCurrent_v2
+  Result (*ctx_pop_current)(Context* context);                   // cuCtxPopCurrent_v2
+  Result (*get_error_string)(Result error, const char** text);   // cuGetErrorString
+  Result (*stream_query)(Stream);                                // cuStreamQuery
+  Result (*stream_is_capturing)(Stream, CaptureStatus* status);  // cuStreamIsCapturing
   Result (*memset_d32_async)(DevicePtr dst, unsigned value, size_t count,
-                             Stream);  // cuMemsetD32Async
+                             Stream);                    // cuMemsetD32Async
+  Result (*event_create)(Event* event, unsigned flags);  // cuEventCreate
+  Result (*event_record)(Event event, Stream);           // cuEventRecord
+  Result (*event_synchronize)(Event event);              // cuEventSynchronize
+  Result (*ctx_set_current)(Context context);            // cuCtxSetCurrent
+  Result (*mem_host_get_device_pointer)(DevicePtr* device, void* host,
+                                        unsigned flags);  // cuMemHostGetDevicePointer_v2
+  Result (*stream_wait_value32)(Stream, DevicePtr address, uint32_t value,
+                                unsigned flags);  // cuStreamWaitValue32_v2
 };
 
 // The driver's entry points, found once; null (and *why says why) where no CUDA driver is loaded

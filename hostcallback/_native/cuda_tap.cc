@@ -1,11 +1,12 @@
 // The GPU tap. On the launching thread it reserves the record's room in its device's queue (a
 // full queue makes the launch wait: nothing is dropped), writes the header into a page-locked
-// buffer and queues one asynchronous device-to-host copy per array on the stream; then a host
-// function on the same stream joins the record to the queue once the copies are done, in stream
-// order. The stream never waits for a tap: no synchronisation, no GIL, no Python. Its host
-// function never blocks and never calls CUDA (the driver forbids it there). Where the pinned pool
-// is spent, the record takes pageable memory, whose copy returns only once the stream got there.
-// A computation's fence (HostcallbackFenceCuda) is the one host function that blocks.
+// buffer, queues one asynchronous device-to-host copy per array on the stream and records an
+// event after them; the device's committer (cuda_commit.h) joins the record to the queue once
+// that event has completed, in launch order. The stream never waits for a tap: no
+// synchronisation, no host function, no GIL, no Python. Where the pinned pool is spent, the
+// record takes pageable memory, whose copy returns only once the stream got there. A
+// computation's fence (HostcallbackFenceCuda) is the one place the stream waits: for a value the
+// committer writes once the receiver has handled the computation's taps.
 
 #include "cuda_tap.h"
 
@@ -18,6 +19,7 @@
 
 #include "buffer_pool.h"
 #include "constants.h"
+#include "cuda_commit.h"
 #include "cuda_driver.h"
 #include "device_queue.h"
 #include "ffi_arrays.h"
@@ -39,61 +41,12 @@ int GlobalIdOf(int ordinal) {
   return id > 0 ? id - 1 : ordinal;
 }
 
-// A record on its way: its copies are queued on the stream, and the host function after them
-// joins it to the queue (or, where queuing a copy failed, gives it and its room back).
-struct PendingRecord {
-  DeviceQueue* queue;
-  Record record;
-  uint64_t reserved;
-  bool failed;
-};
-
-// Says `message` on stderr the first time `said` is found unset.
-void SayOnce(std::atomic<bool>& said, const char* message) noexcept {
-  if (said.exchange(true)) return;
-  std::fprintf(stderr, "%s\n", message);
-  std::fflush(stderr);
-}
-
-// A GPU tap lost because its queue closed between its launch and its copy.
-std::atomic<bool> g_said_lost_after_close{false};
-constexpr char kLostAfterClose[] =
-    "hostcallback: a GPU tap reached its device's queue after the receivers were stopped, and "
-    "was not delivered (stop_outfeed_receiver() waits for the taps dispatched before it; this "
-    "one was dispatched as it stopped)";
-
 // The pinned pool is spent, so GPU taps make their launches wait.
 std::atomic<bool> g_said_pageable{false};
 constexpr char kPageableFallback[] =
     "hostcallback: GPU taps now copy into pageable memory, which makes each launch wait for its "
     "stream: the page-locked buffers (at most twice the queue budget) are all in use, held by "
     "queued records or by arrays a consumer kept (hostcallback._native.outfeed.pinned_stats())";
-
-// The host function: on CUDA's own thread, after the record's copies. Never blocks, never
-// calls CUDA.
-void JoinQueue(void* user_data) noexcept {
-  PendingRecord* pending = static_cast<PendingRecord*>(user_data);
-  DeviceQueue* queue = pending->queue;
-  const bool marker = IsBarrierMarker(pending->record);
-  if (pending->failed) {
-    ReleaseRecord(pending->record);
-    queue->CancelReservation(pending->reserved);
-  } else {
-    int64_t joined = DeviceQueue::kClosed;
-    try {
-      joined = queue->Commit(pending->record, pending->reserved);
-    } catch (...) {  // no memory for the queue's ring: fail the queue, loudly, not the record
-      static const std::string kNoMemory =
-          "hostcallback: out of host memory for a GPU tap's place in its queue";
-      queue->Fail(kNoMemory);
-    }
-    if (joined < 0) {
-      ReleaseRecord(pending->record);
-      if (!marker && !DropAtExit()) SayOnce(g_said_lost_after_close, kLostAfterClose);
-    }
-  }
-  delete pending;
-}
 
 // Room reserved in a queue, given back unless handed to the host function.
 class Reservation {
@@ -140,9 +93,9 @@ ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_i
     const cuda::Driver* driver = nullptr;
     if (ffi::Error error = WithDriver(&driver); error.failure()) return error;
     StreamContext context(*driver, stream);
-    // A host function captured into a CUDA graph would run its one record at every replay: XLA
-    // keeps this handler out of command buffers (it declares no trait that allows them), and a
-    // stream captured otherwise is refused.
+    // A tap captured into a CUDA graph would copy into its one record at every replay, which
+    // the committer hears of once: XLA keeps this handler out of command buffers (it declares
+    // no trait that allows them), and a stream captured otherwise is refused.
     cuda::CaptureStatus capture{};
     if (static_cast<int>(driver->stream_is_capturing(stream, &capture)) == 0 &&
         static_cast<int>(capture) != cuda::kStreamCaptureStatusNone) {
@@ -159,8 +112,7 @@ ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_i
     size_t header = 0;
     const size_t size = RecordSize(ArrayViews(arrays), &header);
     std::vector<size_t> offsets(arrays.size());
-    auto pending = std::make_unique<PendingRecord>();  // allocated before any room is held
-
+    CudaCommitter& committer = CommitterFor(*driver, device);
     DeviceQueue* queue = GpuQueueFor(device);
     std::string stream_failure;
     const int64_t reserved = queue->Reserve(size, [&] {
@@ -199,17 +151,26 @@ ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_i
         copying = true;
       }
     }
-    *pending = PendingRecord{queue, record, size, !failure.empty()};
-    const cuda::Result launched = driver->launch_host_func(stream, JoinQueue, pending.get());
-    if (static_cast<int>(launched) != 0) {
-      // A copy already queued may still write into the buffer: then it is never reused (left
-      // allocated); the room goes back with the reservation.
-      if (!copying) ReleaseRecord(record);
-      return ffi::Error::Internal(
-          cuda::Describe(*driver, "queuing a GPU tap's host function", launched));
+    // The event after the copies; on failure a copy already queued may still write into the
+    // buffer, which is then never reused (left allocated). The room goes back with the reservation.
+    cuda::Event event = nullptr;
+    cuda::Result evented = committer.TakeEvent(&event);
+    if (static_cast<int>(evented) == 0) {
+      cuda::Context stream_context = nullptr;
+      driver->stream_get_ctx(stream, &stream_context);
+      try {
+        evented = committer.RecordAndHand(
+            stream, PendingRecord{queue, record, size, event, stream_context, !failure.empty()});
+      } catch (const std::bad_alloc&) {
+        if (!copying) ReleaseRecord(record);
+        throw;
+      }
     }
-    pending.release();  // JoinQueue's now, with the room
-    reservation.HandOver();
+    if (static_cast<int>(evented) != 0) {
+      if (!copying) ReleaseRecord(record);
+      return ffi::Error::Internal(cuda::Describe(*driver, "recording a GPU tap's event", evented));
+    }
+    reservation.HandOver();  // the committer's now, with the record
     if (!failure.empty()) return ffi::Error::Internal(failure);
     return ffi::Error::Success();
   } catch (const std::bad_alloc&) {
@@ -217,15 +178,6 @@ ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_i
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("hostcallback: ") + e.what());
   }
-}
-
-// The fence's host function: waits until the receiver has handled every record that joined the
-// queue before it, which on this stream is every tap of the computation (their host functions ran
-// first). The one host function that blocks, and only on the receiver, never on CUDA work: a
-// consumer stuck in one batch for kTapPatienceSeconds lets it go on (AwaitTaps), since that
-// consumer may be waiting for this very stream. A failed queue ends the wait; the barrier says why.
-void AwaitHandled(void* queue) noexcept {
-  static_cast<DeviceQueue*>(queue)->AwaitTaps(kTapPatienceSeconds);
 }
 
 ffi::Error BeginCudaImpl(cuda::Stream stream, ffi::RemainingArgs args, ffi::RemainingRets rets) {
@@ -255,11 +207,17 @@ ffi::Error FenceCudaImpl(cuda::Stream stream, int32_t ordinal, ffi::RemainingArg
   const cuda::Driver* driver = nullptr;
   if (ffi::Error error = WithDriver(&driver); error.failure()) return error;
   StreamContext context(*driver, stream);
-  DeviceQueue* queue = GpuQueueFor(GlobalIdOf(ordinal));
-  const cuda::Result launched = driver->launch_host_func(stream, AwaitHandled, queue);
-  if (static_cast<int>(launched) != 0) {
-    return ffi::Error::Internal(
-        cuda::Describe(*driver, "queuing a tapped computation's fence", launched));
+  const int device = GlobalIdOf(ordinal);
+  try {
+    const cuda::Result queued =
+        CommitterFor(*driver, device).QueueFence(stream, GpuQueueFor(device));
+    if (static_cast<int>(queued) != 0) {
+      return ffi::Error::Internal(
+          cuda::Describe(*driver, "queuing a tapped computation's fence", queued));
+    }
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("hostcallback: a tapped computation's fence: ") +
+                                e.what());
   }
   return ffi::Error::Success();
 }

@@ -1,5 +1,5 @@
 // The GPU tap: hostcallback_tap's XLA FFI handler for the CUDA platform, which never makes the
-// stream wait (cuda_tap.cc).
+// stream wait (cuda_tap.cc; its records join their queue through cuda_commit.h).
 #ifndef HOSTCALLBACK_NATIVE_CUDA_TAP_H_
 #define HOSTCALLBACK_NATIVE_CUDA_TAP_H_
 
@@ -15,8 +15,8 @@ extern "C" XLA_FFI_Error* HostcallbackTapCuda(XLA_FFI_CallFrame* call_frame);
 
 // The begin and the end of a tapped computation on a GPU (fence.py): the begin hands out the id 0
 // (a GPU computation is not tracked: its barrier markers follow it on the stream); the fence
-// queues a host function that waits until the device's receiver has handled every record that
-// joined before it, so the computation's results are ready only once its taps were handled.
+// makes the stream wait until the device's receiver has handled every record launched before it
+// (cuda_commit.h), so the computation's results are ready only once its taps were handled.
 extern "C" XLA_FFI_Error* HostcallbackBeginCuda(XLA_FFI_CallFrame* call_frame);
 extern "C" XLA_FFI_Error* HostcallbackFenceCuda(XLA_FFI_CallFrame* call_frame);
 

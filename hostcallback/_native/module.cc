@@ -24,7 +24,9 @@
 //   ffi_handlers.{h,cc}  the CPU's XLA FFI handlers (tap, call, shared call, order point,
 //                        check, begin, fence)
 //   ffi_arrays.h         the tapped arrays of an FFI call, for every handler
-//   cuda_tap.{h,cc}      the GPU tap: copies and a host function queued on the device's stream
+//   cuda_tap.{h,cc}      the GPU tap: copies and an event queued on the device's stream
+//   cuda_commit.{h,cc}   a GPU device's committer: its taps' records join their queue once
+//                        their copies are done
 //   cuda_driver.{h,cc}   the CUDA driver entry points the GPU tap uses, found at run time
 //   pinned_pool.{h,cc}   page-locked record buffers for the GPU tap
 //   numpy_api.{h,cc}     the one NumPy C API table of the extension

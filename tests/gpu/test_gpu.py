@@ -89,16 +89,18 @@ def test_results_are_ready_only_once_their_taps_were_handled(transport, gpu):
         seen.clear()
 
 
+def fences_released():
+    """Computations whose end stopped waiting for a consumer stuck past its patience."""
+    return sum(s["fences_released"] for s in hcb.queue_stats().values())
+
+
 def test_async_delivery_makes_results_ready_before_the_taps(transport, gpu):
     release = threading.Event()
 
     def held(v, _):
         release.wait(60)
 
-    def released():
-        return sum(s["fences_released"] for s in hcb.queue_stats().values())
-
-    before = released()
+    before = fences_released()
     with config.override(delivery="async"):
         step = jax.jit(lambda x: hcb.id_tap(held, x + 1))
         ready = step(jax.device_put(np.ones(4, np.float32), gpu))
@@ -106,7 +108,50 @@ def test_async_delivery_makes_results_ready_before_the_taps(transport, gpu):
         ready.block_until_ready()
     release.set()
     hcb.barrier_wait()
-    assert released() == before
+    assert fences_released() == before
+
+
+def moves_gpu_arrays(gpu, fetched):
+    """A consumer that fetches an array from the GPU and sends one there and back."""
+    held = jax.device_put(np.arange(8, dtype=np.float32), gpu).block_until_ready()
+
+    def consumer(v, _):
+        fetched.append(np.asarray(jax.device_get(held)))
+        fetched.append(np.asarray(jax.device_get(jax.device_put(np.asarray(v) * 3, gpu))))
+
+    return consumer
+
+
+def assert_moved(fetched):
+    np.testing.assert_array_equal(fetched[0], np.arange(8, dtype=np.float32))
+    np.testing.assert_array_equal(fetched[1], np.full(4, 6, np.float32))
+
+
+def test_a_consumer_moves_gpu_arrays_while_its_async_step_runs_on(transport, gpu):
+    fetched = []
+    consumer = moves_gpu_arrays(gpu, fetched)
+    before = fences_released()
+    with config.override(delivery="async"):
+        step = jax.jit(lambda x: hcb.id_tap(consumer, x + 1))
+        step(jax.device_put(np.ones(4, np.float32), gpu)).block_until_ready()
+    hcb.barrier_wait()
+    assert_moved(fetched)
+    assert fences_released() == before
+
+
+@pytest.mark.skipif(not ON_GPU, reason="only a GPU's transfers wait for its stream")
+def test_a_consumer_that_moves_gpu_arrays_holds_its_fenced_step_for_its_patience(transport, gpu):
+    # The step's end waits (on the stream) for this consumer, whose transfers wait for the
+    # stream: the consumer's patience (5 s) ends the wait, counted as fences_released, and the
+    # consumer's transfers then finish (docs/architecture.md, "On a GPU").
+    fetched = []
+    consumer = moves_gpu_arrays(gpu, fetched)
+    before = fences_released()
+    step = jax.jit(lambda x: hcb.id_tap(consumer, x + 1))
+    step(jax.device_put(np.ones(4, np.float32), gpu)).block_until_ready()
+    hcb.barrier_wait()
+    assert_moved(fetched)
+    assert fences_released() == before + 1
 
 
 def test_a_barrier_covers_a_step_still_running(transport, gpu):

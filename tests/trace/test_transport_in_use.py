@@ -41,7 +41,7 @@ def _lower_for_cuda(**settings) -> str:
 @pytest.mark.needs_internals("the GPU tap (its taps on a GPU take JAX's callbacks)")
 def test_a_native_tap_lowered_for_a_cuda_gpu_is_the_gpu_tap_without_a_fence_by_default():
     """On a CUDA device the same custom call runs the GPU tap (registered for CUDA); the GPU
-    fence waits for HOSTCALLBACK_GPU_FENCE=1 until it has run on a GPU."""
+    fence only with HOSTCALLBACK_GPU_FENCE=1."""
     text = _lower_for_cuda(transport="native")
     assert text.count("@hostcallback_tap(") == 1 and "hostcallback_fence" not in text
     assert JAX_CALLBACK_TARGET not in text

@@ -21,6 +21,11 @@ constexpr char kLostAfterClose[] =
     "was not delivered (stop_outfeed_receiver() waits for the taps dispatched before it; this "
     "one was dispatched as it stopped)";
 
+// A committer that ran out of memory while it took an entry: the record may be lost.
+std::atomic<bool> g_said_committer_failed{false};
+constexpr char kCommitterFailed[] =
+    "hostcallback: out of host memory in a GPU device's committer: a GPU tap's record may be lost";
+
 // The committer's events: no timing, and a wait for one sleeps instead of spinning a core.
 constexpr unsigned kEventFlags = cuda::kEventDisableTiming | cuda::kEventBlockingSync;
 
@@ -48,52 +53,54 @@ cuda::Result CudaCommitter::TakeEvent(cuda::Event* event) {
   return driver_.event_create(event, kEventFlags);
 }
 
-// Entries join under the lock in the order their operations reach the stream, so that the
-// committer's order is the stream's even where several threads launch on it.
-cuda::Result CudaCommitter::RecordAndHand(cuda::Stream stream, const PendingRecord& pending) {
+void CudaCommitter::Append(std::list<Entry>& entry) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    entries_.push_back(Entry{pending, 0});
-    const cuda::Result recorded = driver_.event_record(pending.event, stream);
-    if (static_cast<int>(recorded) != 0) {
-      entries_.pop_back();
-      free_events_.push_back(pending.event);
-      return recorded;
-    }
+    entries_.splice(entries_.end(), entry);
   }
   queued_cv_.notify_one();
+}
+
+cuda::Result CudaCommitter::RecordAndHand(cuda::Stream stream, const PendingRecord& pending) {
+  std::list<Entry> entry{Entry{pending}};  // allocated before anything reaches the stream
+  std::lock_guard<std::mutex> launching(launch_mu_);
+  const cuda::Result recorded = driver_.event_record(pending.event, stream);
+  if (static_cast<int>(recorded) != 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_events_.push_back(pending.event);
+    return recorded;
+  }
+  Append(entry);
   return cuda::Result{};
 }
 
 cuda::Result CudaCommitter::QueueFence(cuda::Stream stream, DeviceQueue* queue) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (fence_word_ == nullptr) {
-      void* word = nullptr;
-      cuda::Result made = driver_.mem_host_alloc(
-          &word, sizeof(uint32_t), cuda::kHostAllocPortable | cuda::kHostAllocDeviceMap);
-      if (static_cast<int>(made) != 0) return made;
-      made = driver_.mem_host_get_device_pointer(&fence_word_on_device_, word, 0);
-      if (static_cast<int>(made) != 0) {
-        driver_.mem_free_host(word);
-        return made;
-      }
-      fence_word_ = static_cast<uint32_t*>(word);
-      __atomic_store_n(fence_word_, 0u, __ATOMIC_RELEASE);
+  std::list<Entry> entry(1);  // allocated before the wait is queued
+  entry.front().pending.queue = queue;
+  entry.front().is_fence = true;
+  std::lock_guard<std::mutex> launching(launch_mu_);
+  if (fence_word_ == nullptr) {
+    void* word = nullptr;
+    cuda::Result made = driver_.mem_host_alloc(
+        &word, sizeof(uint32_t), cuda::kHostAllocPortable | cuda::kHostAllocDeviceMap);
+    if (static_cast<int>(made) != 0) return made;
+    made = driver_.mem_host_get_device_pointer(&fence_word_on_device_, word, 0);
+    if (static_cast<int>(made) != 0) {
+      driver_.mem_free_host(word);
+      return made;
     }
-    // The entry first: once the wait is queued, only the committer's turn at it lets the stream
-    // go on. Values wrap: the wait compares them cyclically.
-    const uint32_t value = last_fence_ + 1;
-    entries_.push_back(Entry{PendingRecord{queue}, value});
-    const cuda::Result queued = driver_.stream_wait_value32(stream, fence_word_on_device_, value,
-                                                            cuda::kStreamWaitValueGeq);
-    if (static_cast<int>(queued) != 0) {
-      entries_.pop_back();
-      return queued;
-    }
-    last_fence_ = value;
+    __atomic_store_n(static_cast<uint32_t*>(word), 0u, __ATOMIC_RELEASE);
+    fence_word_ = static_cast<uint32_t*>(word);
   }
-  queued_cv_.notify_one();
+  // Once the wait is queued, only the committer's turn at its entry lets the stream go on: the
+  // entry is appended whatever happens next. Values wrap; the wait compares them cyclically.
+  const uint32_t value = last_fence_ + 1;
+  const cuda::Result queued =
+      driver_.stream_wait_value32(stream, fence_word_on_device_, value, cuda::kStreamWaitValueGeq);
+  if (static_cast<int>(queued) != 0) return queued;
+  last_fence_ = value;
+  entry.front().fence_value = value;
+  Append(entry);
   return cuda::Result{};
 }
 
@@ -107,24 +114,39 @@ void CudaCommitter::Run() {
       entry = entries_.front();
       entries_.pop_front();
     }
-    if (entry.fence > 0) {
-      // Every record before the fence has joined its queue: once the receiver has handled them
-      // (or is stuck), the stream goes on.
+    try {
+      Take(entry, &current);
+    } catch (...) {  // out of memory for a message or a queue's ring
+      SayOnce(g_said_committer_failed, kCommitterFailed);
+    }
+  }
+}
+
+void CudaCommitter::Take(const Entry& entry, cuda::Context* current) {
+  if (entry.is_fence) {
+    // Every record before the fence has joined its queue: once the receiver has handled them
+    // (or is stuck), the stream goes on. The word is written whatever AwaitTaps found.
+    try {
       entry.pending.queue->AwaitTaps(kTapPatienceSeconds);
-      __atomic_store_n(fence_word_, entry.fence, __ATOMIC_RELEASE);
-      continue;
+    } catch (...) {
+      SayOnce(g_said_committer_failed, kCommitterFailed);
     }
-    const PendingRecord& pending = entry.pending;
-    // The event's context, current on this thread for as long as its records come.
-    if (pending.context != current &&
-        static_cast<int>(driver_.ctx_set_current(pending.context)) == 0) {
-      current = pending.context;
-    }
-    const cuda::Result waited = driver_.event_synchronize(pending.event);
-    Finish(pending, waited);
-    if (static_cast<int>(waited) == 0) {
-      std::lock_guard<std::mutex> lock(mu_);
+    __atomic_store_n(fence_word_, entry.fence_value, __ATOMIC_RELEASE);
+    return;
+  }
+  const PendingRecord& pending = entry.pending;
+  // The event's context, current on this thread for as long as its records come.
+  if (pending.context != *current &&
+      static_cast<int>(driver_.ctx_set_current(pending.context)) == 0) {
+    *current = pending.context;
+  }
+  const cuda::Result waited = driver_.event_synchronize(pending.event);
+  Finish(pending, waited);
+  if (static_cast<int>(waited) == 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    try {
       free_events_.push_back(pending.event);
+    } catch (...) {  // no memory for its place: the event is dropped
     }
   }
 }

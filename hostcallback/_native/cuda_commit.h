@@ -15,7 +15,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
+#include <list>
 #include <mutex>
 #include <vector>
 
@@ -58,25 +58,37 @@ class CudaCommitter {
   cuda::Result QueueFence(cuda::Stream stream, DeviceQueue* queue);
 
  private:
-  // What the committer's thread takes in turn: a record, or a fence (fence > 0: the value that
-  // lets its stream go on).
+  // What the committer's thread takes in turn: a record, or a fence and the value that lets its
+  // stream go on.
   struct Entry {
     PendingRecord pending;
-    uint32_t fence = 0;
+    bool is_fence = false;
+    uint32_t fence_value = 0;
   };
 
   void Run();
+  // One entry's turn: a record waits for its event and joins (Finish); a fence waits for the
+  // receiver and writes its value.
+  void Take(const Entry& entry, cuda::Context* current);
   // Joins the record to its queue, or gives it back (with its room) where it failed or the event
   // says the stream did.
   void Finish(const PendingRecord& pending, cuda::Result waited);
+  // Appends an entry made beforehand (a list of one), which cannot fail.
+  void Append(std::list<Entry>& entry);
 
   const cuda::Driver& driver_;
+  // Held by launching threads from their operation on the stream until its entry is appended, so
+  // that the committer's order is the stream's even where several threads launch on it. The
+  // committer never takes it: a call on the stream may wait for the GPU, which may be waiting
+  // for the committer (a fence).
+  std::mutex launch_mu_;
+  // Guards entries_ and free_events_, held only briefly and never across a CUDA call.
   std::mutex mu_;
   std::condition_variable queued_cv_;
-  std::deque<Entry> entries_;
+  std::list<Entry> entries_;
   std::vector<cuda::Event> free_events_;
   // The word fences wait on (page-locked, seen by the GPU at fence_word_on_device_), made at the
-  // first fence; the value the last fence queued waits for.
+  // first fence; the value the last fence queued waits for (under launch_mu_).
   uint32_t* fence_word_ = nullptr;
   cuda::DevicePtr fence_word_on_device_ = 0;
   uint32_t last_fence_ = 0;

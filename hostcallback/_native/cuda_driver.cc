@@ -98,7 +98,7 @@ const Driver* Load(std::string* why) {
   }
   if (missing != nullptr) {
     *why = std::string("hostcallback: the CUDA driver lacks ") + missing +
-           ", which a GPU tap needs (CUDA 11.7 or newer)";
+           ", which a GPU tap needs (CUDA 12 or newer)";
     return nullptr;
   }
   return &driver;

@@ -48,7 +48,7 @@ constexpr char kPageableFallback[] =
     "stream: the page-locked buffers (at most twice the queue budget) are all in use, held by "
     "queued records or by arrays a consumer kept (hostcallback._native.outfeed.pinned_stats())";
 
-// Room reserved in a queue, given back unless handed to the host function.
+// Room reserved in a queue, given back unless handed to the committer.
 class Reservation {
  public:
   Reservation(DeviceQueue* queue, uint64_t bytes) : queue_(queue), bytes_(bytes) {}
@@ -156,8 +156,10 @@ ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_i
     cuda::Event event = nullptr;
     cuda::Result evented = committer.TakeEvent(&event);
     if (static_cast<int>(evented) == 0) {
-      cuda::Context stream_context = nullptr;
-      driver->stream_get_ctx(stream, &stream_context);
+      cuda::Context stream_context = nullptr;  // current here (StreamContext)
+      if (static_cast<int>(driver->stream_get_ctx(stream, &stream_context)) != 0) {
+        driver->ctx_get_current(&stream_context);
+      }
       try {
         evented = committer.RecordAndHand(
             stream, PendingRecord{queue, record, size, event, stream_context, !failure.empty()});
@@ -182,21 +184,27 @@ ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_i
 
 ffi::Error BeginCudaImpl(cuda::Stream stream, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   (void)args;  // only the token that orders it
-  const cuda::Driver* driver = nullptr;
-  if (ffi::Error error = WithDriver(&driver); error.failure()) return error;
-  StreamContext context(*driver, stream);
-  for (size_t i = 0; i < rets.size(); ++i) {
-    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
-    if (!ret.has_value()) return ret.error();
-    ffi::AnyBuffer out = *ret.value();
-    if (out.element_type() != ffi::DataType::U32) continue;
-    const cuda::Result zeroed = driver->memset_d32_async(
-        reinterpret_cast<cuda::DevicePtr>(out.untyped_data()), 0, 1, stream);
-    if (static_cast<int>(zeroed) != 0) {
-      return ffi::Error::Internal(cuda::Describe(*driver, "a tapped computation's begin", zeroed));
+  try {
+    const cuda::Driver* driver = nullptr;
+    if (ffi::Error error = WithDriver(&driver); error.failure()) return error;
+    StreamContext context(*driver, stream);
+    for (size_t i = 0; i < rets.size(); ++i) {
+      ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
+      if (!ret.has_value()) return ret.error();
+      ffi::AnyBuffer out = *ret.value();
+      if (out.element_type() != ffi::DataType::U32) continue;
+      const cuda::Result zeroed = driver->memset_d32_async(
+          reinterpret_cast<cuda::DevicePtr>(out.untyped_data()), 0, 1, stream);
+      if (static_cast<int>(zeroed) != 0) {
+        return ffi::Error::Internal(
+            cuda::Describe(*driver, "a tapped computation's begin", zeroed));
+      }
     }
+    return ffi::Error::Success();
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("hostcallback: a tapped computation's begin: ") +
+                                e.what());
   }
-  return ffi::Error::Success();
 }
 
 ffi::Error FenceCudaImpl(cuda::Stream stream, int32_t ordinal, ffi::RemainingArgs args,
@@ -204,22 +212,24 @@ ffi::Error FenceCudaImpl(cuda::Stream stream, int32_t ordinal, ffi::RemainingArg
   (void)args;  // the taps' tokens, the begin's id and a weight: the stream orders it after them
   (void)rets;  // a token
   if (ordinal < 0) return ffi::Error::Success();
-  const cuda::Driver* driver = nullptr;
-  if (ffi::Error error = WithDriver(&driver); error.failure()) return error;
-  StreamContext context(*driver, stream);
-  const int device = GlobalIdOf(ordinal);
+  // A fork's child has no committer to let the stream go on.
+  if (InForkedChild()) return ffi::Error::Internal(kForkedMessage);
   try {
+    const cuda::Driver* driver = nullptr;
+    if (ffi::Error error = WithDriver(&driver); error.failure()) return error;
+    StreamContext context(*driver, stream);
+    const int device = GlobalIdOf(ordinal);
     const cuda::Result queued =
         CommitterFor(*driver, device).QueueFence(stream, GpuQueueFor(device));
     if (static_cast<int>(queued) != 0) {
       return ffi::Error::Internal(
           cuda::Describe(*driver, "queuing a tapped computation's fence", queued));
     }
+    return ffi::Error::Success();
   } catch (const std::exception& e) {
     return ffi::Error::Internal(std::string("hostcallback: a tapped computation's fence: ") +
                                 e.what());
   }
-  return ffi::Error::Success();
 }
 
 }  // namespace

@@ -72,7 +72,8 @@ _deliveries: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # bench/gpu_check.sh do): measured on an H200 it adds about 8 % more to a 1.5 ms step than the
 # taps alone, and a consumer that moves GPU arrays (jax.device_get) waits for the stream, which
 # waits for the consumer until its patience (5 s) runs out. Without it a GPU's results are ready
-# before their taps were handled, as with delivery="async" (docs/architecture.md, "On a GPU").
+# before their taps were handled, as with delivery="async" (the architecture document, "On a
+# GPU").
 GPU_FENCE = config.env_bool("HOSTCALLBACK_GPU_FENCE", False)
 # Where the begin and the fence have handlers: the CPU's run on XLA's device thread; on a CUDA GPU
 # "dispatch" is "handled".

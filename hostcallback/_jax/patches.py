@@ -13,7 +13,7 @@ from collections.abc import Callable
 import jax
 from jax import lax
 
-from hostcallback._jax.private import _dispatch, _mlir, effects, pe, pxla
+from hostcallback._jax.private import _dispatch, _mlir, compiler, effects, pe, pxla
 
 _EFFECT_SETS = ("lowerable_effects", "control_flow_allowed_effects", "ordered_effects",
                 "shardable_ordered_effects", "custom_derivatives_allowed_effects",
@@ -125,3 +125,33 @@ def add_to_effects_barrier(wait: Callable[[], None]) -> None:
     effects_barrier.hostcallback_wraps = jax_barrier
     effects_barrier.__doc__ = jax_barrier.__doc__
     jax.effects_barrier = effects_barrier
+
+
+def compile_again_when(rescue: Callable[[Exception, str], list[tuple[str, str]] | None]) -> None:
+    """Where XLA fails to compile a module, asks ``rescue(error, platform)`` for compiler options
+    (XLA debug options, by name) under which to compile it once more; None: the error stands.
+    The options apply to that module alone (once, however often this is called)."""
+    compile_ = getattr(compiler, "backend_compile_and_load", None)
+    if compile_ is None:
+        return  # a JAX that compiles elsewhere: nothing to rescue
+    compile_ = getattr(compile_, "hostcallback_wraps", compile_)
+    parameters = list(inspect.signature(compile_).parameters)
+    if parameters[:4] != ["backend", "module", "executable_devices", "options"]:
+        return
+
+    def backend_compile_and_load(backend, module, executable_devices, options, *args, **kwargs):
+        try:
+            return compile_(backend, module, executable_devices, options, *args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - XLA's own error type differs by version
+            overrides = rescue(error, getattr(backend, "platform", ""))
+            if not overrides:
+                raise
+            before = list(options.env_option_overrides)
+            options.env_option_overrides = before + list(overrides)
+            try:
+                return compile_(backend, module, executable_devices, options, *args, **kwargs)
+            finally:
+                options.env_option_overrides = before
+
+    backend_compile_and_load.hostcallback_wraps = compile_
+    compiler.backend_compile_and_load = backend_compile_and_load

@@ -13,6 +13,11 @@ import inspect
 
 # JAX's own host-callback lowering: the callback transport rides on it.
 from jax._src import callback as _callback
+
+# Effects: an effect type of our own must join JAX's effect sets to be lowered, ordered, and
+# allowed in control flow, custom derivatives and remat; only the private module has the sets.
+# compiler: the one function that hands a lowered module to XLA (patches.py wraps it).
+from jax._src import compiler, effects, source_info_util, util  # building an equation; split_list
 from jax._src import config as _config  # the partitioner and constants flags, the context mesh
 
 # A token type, a clean-trace check, sub-jaxprs and jaxpr evaluation for our rules.
@@ -20,10 +25,6 @@ from jax._src import core as _core
 
 # Running a primitive eagerly, and marking one that needs its devices while it lowers.
 from jax._src import dispatch as _dispatch
-
-# Effects: an effect type of our own must join JAX's effect sets to be lowered, ordered, and
-# allowed in control flow, custom derivatives and remat; only the private module has the sets.
-from jax._src import effects, source_info_util, util  # building an equation; split_list
 from jax._src import mesh as _mesh  # setting the user's abstract mesh aside
 
 # The axis contexts that tell a lowering rule whether it runs per device, partitioned or not.
@@ -181,6 +182,7 @@ def run_synchronously(ctx) -> None:
 __all__ = [
     "OpSharding", "PYTHON_CALLBACK_TARGETS", "SPMDAxisContext", "SdyArray", "SdyArrayList",
     "SdyDim", "ShardingContext", "abstract_token", "add_host_callback", "apply_primitive",
+    "compiler",
     "effects", "emit_python_callback", "eval_jaxpr", "ir_consts", "jaxprs_in_params",
     "lower_jaxpr", "lowering_for_export", "manual_sharding", "new_jaxpr_eqn", "new_source_info",
     "no_effects",

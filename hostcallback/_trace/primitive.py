@@ -24,7 +24,7 @@ from hostcallback import _jax as jx
 from hostcallback._jax import ad, batching, ir, mlir, patches
 from hostcallback._native import outfeed
 from hostcallback._records.registry import DEBUG_CALLBACK_API, registry
-from hostcallback._trace import keep_taps, sharded_lowering
+from hostcallback._trace import compile_rescue, keep_taps, sharded_lowering
 from hostcallback._trace.program_order import ordered_tap_effect, program_order_effect
 from hostcallback._trace.transport import emitter_for, register_lowering
 from hostcallback.flavors import VMAP_METHODS, CallbackFlavor
@@ -33,6 +33,7 @@ outside_call_p = jx.Primitive("outside_call")
 outside_call_p.multiple_results = True
 patches.require_devices_during_lowering(outside_call_p)
 keep_taps.register_tap_primitive(outside_call_p)
+compile_rescue.install()
 
 PURE = CallbackFlavor.PURE.value  # JAX may drop such a callback when its result is unused
 _SKIPPED = "skipped"  # the replayed copy of a replays="skip" tap: lowers to nothing

@@ -6,7 +6,8 @@ single-device computations only per dispatching thread (and launches those over 
 one after another, client-wide). It waits, in turn, for a probe per device dispatched from the
 calling thread (ready after what this thread dispatched there before); for the tapped
 computations running on each device when it began, and those that begin right after one of them
-ends (another thread's next step, already dispatched; fence.py, _native/computations.h); for every
+ends (another thread's next step, already dispatched; fence.py, _native/computations.h), or, where
+one was lowered lately and none has run since, the first to begin; for every
 live jax.Array not yet ready (a computation ends only once its taps were handled); and then for
 its marker computations (taps of the barrier's own consumer, built with ``binding``), one on
 each device and one over all local devices, which every device's receiver handles after what
@@ -56,6 +57,11 @@ _BARRIER_SHARE = 0.8  # of stop()'s (and so of exit's) one deadline
 # on a device: XLA's CPU client keeps at most 32 computations in flight per device.
 _FOLLOW_SECONDS = 0.02
 _FOLLOW_SECONDS_AT_STOP = 0.2
+# Where a tapped computation was lowered lately and none has run since, how long a barrier waits
+# for the first to begin: its first run begins tens of milliseconds after it was dispatched
+# (more under load), and one dispatched from another thread is seen only once it begins.
+_FIRST_BEGIN_SECONDS = 0.1
+_FIRST_BEGIN_SECONDS_AT_STOP = 1.0
 _FOLLOWED_AT_MOST = 32
 _READY_POLL_SECONDS = 0.001
 _READY_POLL_MAX_SECONDS = 0.02
@@ -189,7 +195,9 @@ class Lifecycle:
             self._pool.wait_for_computations(
                 running, deadline, follow_s=_FOLLOW_SECONDS_AT_STOP if follow_long
                 else _FOLLOW_SECONDS, followed=_FOLLOWED_AT_MOST, timeout=timeout,
-                notice=notice)
+                notice=notice, lowered_at=_last_tapped_lowering(),
+                first_begin_s=_FIRST_BEGIN_SECONDS_AT_STOP if follow_long
+                else _FIRST_BEGIN_SECONDS)
             _wait_until_ready(_live_results_not_ready(), deadline, timeout, notice)
             self._wait_for_markers(logging_name, timeout, deadline, notice)
         self.run_flush_hooks(deadline)
@@ -443,6 +451,16 @@ def _live_results_not_ready() -> list:
     """Every live jax.Array not ready yet: its computation, or one it depends on, still runs
     (and a computation is complete only once its taps were handled)."""
     return [array for array in jax.live_arrays() if not _ready_or_gone(array)]
+
+
+def _last_tapped_lowering() -> float | None:
+    """When a computation holding taps was last lowered (None in the portable mode, whose taps
+    are no computation's own)."""
+    if jx.PORTABLE:
+        return None
+    from hostcallback._trace import program_order  # not in the portable mode
+
+    return program_order.last_tapped_lowering
 
 
 def _wait_until_ready(arrays: list, deadline: float | None, timeout: float | None,

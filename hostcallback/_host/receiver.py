@@ -54,6 +54,9 @@ _COALESCE_SECONDS = 0.0002
 _LINGER_SECONDS = 0.001
 _POLL_SECONDS = 0.25
 _COMPUTATIONS_POLL_SECONDS = 0.001
+# How long after a tapped computation was lowered a barrier that finds no device running one
+# yet waits for its first run to begin (wait_for_computations).
+_RECENT_LOWERING_SECONDS = 30.0
 # A tapped computation that began before a barrier and whose device then shows nothing new for
 # this long is taken for failed where none of our handlers saw it (its fence never runs).
 _PRESUMED_FAILED_SECONDS = 10.0
@@ -518,19 +521,29 @@ class ReceiverPool:
 
     def wait_for_computations(self, begun: dict[QueueKey, int], deadline: float | None, *,
                               follow_s: float, followed: int, timeout: float | None,
-                              notice: Notice | None = None) -> None:
+                              notice: Notice | None = None, lowered_at: float | None = None,
+                              first_begin_s: float = 0.0) -> None:
         """Waits until every tapped computation that had begun (``begun``, from
         computations_begun()) has ended, its taps handled. Then follows those that begin within
         ``follow_s`` of one ending, at most ``followed`` more per device: a computation already
-        dispatched, waiting for the results that just completed, begins that soon. Raises
-        TimeoutError at the deadline (monotonic) and CallbackException when a receiver died."""
+        dispatched, waiting for the results that just completed, begins that soon. Where no
+        device has run a tapped computation since one was lowered (``lowered_at``, monotonic,
+        within _RECENT_LOWERING_SECONDS), it first waits up to ``first_begin_s`` for one to
+        begin: a computation's first run begins well after its dispatch (XLA prepares it), and
+        one dispatched from another thread is known only once it begins. Raises TimeoutError at
+        the deadline (monotonic) and CallbackException when a receiver died."""
         limit = {key: count + followed for key, count in begun.items()}
         last_seen: dict[QueueKey, tuple] = {}  # what each device last showed, and since when
+        started = time.monotonic()
         while True:
             self.raise_if_dead()
             waiting = []
+            shown = {key: outfeed.computations(key[1], platform=key[0]) for key in begun}
+            if self._none_ran_since(lowered_at, begun, shown) and (
+                    time.monotonic() - started < first_begin_s):
+                waiting.append(None)
             for key, count in begun.items():
-                now = outfeed.computations(key[1], platform=key[0])
+                now = shown[key]
                 before = now["oldest_running"] < count
                 if before and self._stalled(key, now, last_seen):
                     abandoned = outfeed.abandon_computations(key[1], count, platform=key[0])
@@ -548,12 +561,27 @@ class ReceiverPool:
             if not waiting:
                 return
             if deadline is not None and time.monotonic() >= deadline:
+                devices = [str(self._devices[k]) for k in waiting if k is not None]
                 raise TimeoutError(
                     f"barrier_wait timed out after {timeout} s: tapped "
-                    f"computations still running on {[str(self._devices[k]) for k in waiting]}")
+                    f"computations still running on {devices or 'no device yet'}")
             if notice is not None and notice.due():
                 notice.say()
             time.sleep(_COMPUTATIONS_POLL_SECONDS)
+
+    @staticmethod
+    def _none_ran_since(lowered_at: float | None, begun: dict[QueueKey, int],
+                        shown: dict[QueueKey, dict]) -> bool:
+        """Whether a tapped computation was lowered lately and no device has begun or run one
+        since: each is idle, and began none since ``begun`` and ended its last before then."""
+        if lowered_at is None:
+            return False
+        since = time.monotonic() - lowered_at
+        if since > _RECENT_LOWERING_SECONDS:
+            return False
+        return all(now["running"] == 0 and now["begun"] == begun[key]
+                   and (now["seconds_since_end"] < 0 or now["seconds_since_end"] >= since)
+                   for key, now in shown.items())
 
     def _stalled(self, key: QueueKey, now: dict, last_seen: dict) -> bool:
         """Whether the device has shown nothing new (computations begun or ended, records

@@ -256,6 +256,40 @@ def test_a_script_that_just_ends_delivers_every_tap_of_its_loop(transport, where
     assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr
 
 
+# A loop traced, compiled and run on a thread; the script ends once it has dispatched its steps.
+# A step that taps a reduction of its one result is compiled twice on JAX 0.10 and later
+# (compile_rescue.py), and its first run then begins tens of milliseconds after the last step was
+# dispatched: when the script ends no tapped computation has begun on any device yet.
+SCRIPT_WHOSE_FIRST_STEP_BEGINS_LATE = """
+import threading
+import jax, jax.numpy as jnp
+import hostcallback as hcb
+
+@jax.jit
+def step(x, i):
+    for _ in range(12):
+        x = jnp.tanh(x @ x / 512.0)
+    hcb.id_tap(lambda v, _: print("tapped", flush=True), jnp.sum(x) + i)
+    return x
+
+def loop():
+    x = jnp.eye(512)
+    for i in range(20):
+        x = step(x, i)
+
+threading.Thread(target=loop).start()
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.needs_internals("waits that cover computations dispatched from another thread whose "
+                             "results nobody holds")
+def test_a_script_whose_loop_on_a_thread_has_not_begun_a_tapped_step_delivers_every_tap():
+    result = run_python(SCRIPT_WHOSE_FIRST_STEP_BEGINS_LATE, devices=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split().count("tapped") == 20, result.stderr[-3000:]
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.needs_internals("waits that cover computations dispatched from another thread whose "
                              "results nobody holds")

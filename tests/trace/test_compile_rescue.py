@@ -9,7 +9,8 @@ import pytest
 import hostcallback as hcb
 from helpers import run_python
 
-pytestmark = pytest.mark.needs_internals("compiling a computation again (a change to JAX's compile)")
+pytestmark = pytest.mark.needs_internals(
+    "compiling a computation again (a change to JAX's compile)")
 
 ROWS = np.arange(64 * 64, dtype=np.float32).reshape(64, 64) / 4096
 

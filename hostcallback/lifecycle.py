@@ -57,9 +57,10 @@ _BARRIER_SHARE = 0.8  # of stop()'s (and so of exit's) one deadline
 # on a device: XLA's CPU client keeps at most 32 computations in flight per device.
 _FOLLOW_SECONDS = 0.02
 _FOLLOW_SECONDS_AT_STOP = 0.2
-# Where a tapped computation was lowered lately and none has run since, how long a barrier waits
-# for the first to begin: its first run begins tens of milliseconds after it was dispatched
-# (more under load), and one dispatched from another thread is seen only once it begins.
+# Where a counted tapped computation (fence.py) was lowered lately and none has run since, how
+# long a barrier waits for the first to begin: a first run can begin tens of milliseconds after
+# its dispatch (more under load), and one dispatched from another thread is seen only once it
+# begins.
 _FIRST_BEGIN_SECONDS = 0.1
 _FIRST_BEGIN_SECONDS_AT_STOP = 1.0
 _FOLLOWED_AT_MOST = 32
@@ -195,7 +196,7 @@ class Lifecycle:
             self._pool.wait_for_computations(
                 running, deadline, follow_s=_FOLLOW_SECONDS_AT_STOP if follow_long
                 else _FOLLOW_SECONDS, followed=_FOLLOWED_AT_MOST, timeout=timeout,
-                notice=notice, lowered_at=_last_tapped_lowering(),
+                notice=notice, lowered_at=_last_counted_lowering(),
                 first_begin_s=_FIRST_BEGIN_SECONDS_AT_STOP if follow_long
                 else _FIRST_BEGIN_SECONDS)
             _wait_until_ready(_live_results_not_ready(), deadline, timeout, notice)
@@ -453,14 +454,14 @@ def _live_results_not_ready() -> list:
     return [array for array in jax.live_arrays() if not _ready_or_gone(array)]
 
 
-def _last_tapped_lowering() -> float | None:
-    """When a computation holding taps was last lowered (None in the portable mode, whose taps
-    are no computation's own)."""
+def _last_counted_lowering() -> float | None:
+    """When a computation whose begin counts it on its devices was last lowered (None in the
+    portable mode, which has no begin)."""
     if jx.PORTABLE:
         return None
-    from hostcallback._trace import program_order  # not in the portable mode
+    from hostcallback._trace import fence  # not in the portable mode
 
-    return program_order.last_tapped_lowering
+    return fence.last_counted_lowering
 
 
 def _wait_until_ready(arrays: list, deadline: float | None, timeout: float | None,

@@ -528,19 +528,24 @@ class ReceiverPool:
         ``follow_s`` of one ending, at most ``followed`` more per device: a computation already
         dispatched, waiting for the results that just completed, begins that soon. Where no
         device has run a tapped computation since one was lowered (``lowered_at``, monotonic,
-        within _RECENT_LOWERING_SECONDS), it first waits up to ``first_begin_s`` for one to
-        begin: a computation's first run begins well after its dispatch (XLA prepares it), and
-        one dispatched from another thread is known only once it begins. Raises TimeoutError at
-        the deadline (monotonic) and CallbackException when a receiver died."""
+        within _RECENT_LOWERING_SECONDS), it first waits up to ``first_begin_s`` (and half
+        the time to the deadline) for one to begin: a computation's first run can begin well
+        after its dispatch, and one dispatched from another thread is known only once it
+        begins. Raises TimeoutError at the deadline while a begun computation runs, and
+        CallbackException when a receiver died."""
         limit = {key: count + followed for key, count in begun.items()}
         last_seen: dict[QueueKey, tuple] = {}  # what each device last showed, and since when
+        # The wait for a first run, a guess, takes at most half the time a deadline leaves.
         started = time.monotonic()
+        first_begin_until = started + first_begin_s
+        if deadline is not None:
+            first_begin_until = min(first_begin_until, started + (deadline - started) / 2)
         while True:
             self.raise_if_dead()
             waiting = []
             shown = {key: outfeed.computations(key[1], platform=key[0]) for key in begun}
-            if self._none_ran_since(lowered_at, begun, shown) and (
-                    time.monotonic() - started < first_begin_s):
+            if (time.monotonic() < first_begin_until
+                    and self._none_ran_since(lowered_at, begun, shown)):
                 waiting.append(None)
             for key, count in begun.items():
                 now = shown[key]
@@ -562,9 +567,11 @@ class ReceiverPool:
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 devices = [str(self._devices[k]) for k in waiting if k is not None]
+                if not devices:  # only a first run that may yet begin: no more to wait for
+                    return
                 raise TimeoutError(
                     f"barrier_wait timed out after {timeout} s: tapped "
-                    f"computations still running on {devices or 'no device yet'}")
+                    f"computations still running on {devices}")
             if notice is not None and notice.due():
                 notice.say()
             time.sleep(_COMPUTATIONS_POLL_SECONDS)

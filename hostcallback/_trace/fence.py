@@ -30,6 +30,7 @@ never waits itself.
 from __future__ import annotations
 
 import dataclasses
+import time
 import weakref
 
 import jax
@@ -159,10 +160,19 @@ def _begin_abstract_eval(*, chains):
 fence_begin_p.def_effectful_abstract_eval(_begin_abstract_eval)
 
 
+# When a computation whose begin counts it among its devices' running ones (the CPU's begin; a
+# GPU's hands out no id) was last lowered (monotonic): its first run may begin well after its
+# dispatch, which barriers allow for (lifecycle.py).
+last_counted_lowering: float | None = None
+
+
 def _begin_lowering(ctx, *, chains):
+    global last_counted_lowering
     if not (_fenced(ctx) and _native(ctx)):  # a fence on JAX's callbacks needs no begin
         ctx.set_tokens_out(ctx.tokens_in)
         return [mlir.ir_constant(np.uint32(0))]
+    if tuple(ctx.module_context.platforms) == (outfeed.NATIVE_PLATFORM,):
+        last_counted_lowering = time.monotonic()
     outs = _on_every_device(ctx, fence_begin_p, [], chains=chains)
     if outs is not None:
         return outs

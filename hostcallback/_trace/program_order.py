@@ -17,7 +17,6 @@ The hook into JAX's lowering and the while-loop rule are installed through the J
 
 from __future__ import annotations
 
-import time
 import weakref
 
 from jax import lax
@@ -79,19 +78,11 @@ jx.mlir.register_lowering(program_order_scope_p, _scope_lowering, cacheable=Fals
 _scoped: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-# When a computation that holds taps (not a barrier's markers) was last lowered (monotonic): its
-# first run may begin well after it was dispatched (XLA prepares it), which barriers allow for.
-last_tapped_lowering: float | None = None
-
-
 def scoped(closed_jaxpr: jx.ClosedJaxpr) -> jx.ClosedJaxpr:
     """The same computation, with its program-order token made inside it (or closed_jaxpr itself
     when it holds no tap). The same jaxpr gives the same result, so JAX's lowering cache hits."""
-    global last_tapped_lowering
     if not any(isinstance(effect, TAP_EFFECTS) for effect in closed_jaxpr.effects):
         return closed_jaxpr
-    if not _only_barrier_markers(closed_jaxpr.jaxpr):
-        last_tapped_lowering = time.monotonic()
     found = _scoped.get(closed_jaxpr)
     if found is None:
         if _only_barrier_markers(closed_jaxpr.jaxpr):

@@ -290,6 +290,29 @@ def test_a_script_whose_loop_on_a_thread_has_not_begun_a_tapped_step_delivers_ev
     assert result.stdout.split().count("tapped") == 20, result.stderr[-3000:]
 
 
+STOP_RIGHT_AFTER_A_LOWERING = """
+    import jax, jax.numpy as jnp
+    import hostcallback as hcb
+
+    x = jnp.arange(3.0)
+    hcb.barrier_wait()  # what a barrier dispatches itself is compiled, x is ready
+    jax.jit(lambda x: hcb.id_tap(lambda *a: None, x * 3)).lower(x)  # lowered, never run
+    hcb.stop_outfeed_receiver(timeout=1)
+    print("stopped")
+    """
+
+
+@pytest.mark.needs_internals("waits that cover computations dispatched from another thread whose "
+                             "results nobody holds")
+def test_a_stop_with_a_timeout_right_after_a_tapped_function_was_lowered_delivers_and_stops():
+    # Its barrier waits a while for that function's first run to begin (up to 1 s at stop, but
+    # at most half of its own time): then it goes on, without timing out.
+    result = run_python(STOP_RIGHT_AFTER_A_LOWERING, devices=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "stopped" in result.stdout
+    assert "timed out" not in result.stderr, result.stderr[-3000:]
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.needs_internals("waits that cover computations dispatched from another thread whose "
                              "results nobody holds")

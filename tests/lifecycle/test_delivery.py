@@ -256,7 +256,7 @@ def test_a_script_that_just_ends_delivers_every_tap_of_its_loop(transport, where
     assert "Exception ignored" not in result.stderr and "Traceback" not in result.stderr
 
 
-# A loop traced, compiled and run on a thread; the script ends once it has dispatched its steps.
+# A loop compiled and run on a thread; the script ends once it has dispatched its steps.
 # A step that taps a reduction of its one result is compiled twice on JAX 0.10 and later
 # (compile_rescue.py), and its first run then begins tens of milliseconds after the last step was
 # dispatched: when the script ends no tapped computation has begun on any device yet.
@@ -277,6 +277,7 @@ def loop():
     for i in range(20):
         x = step(x, i)
 
+step.trace(jnp.eye(512), 0)  # the receivers start (Python 3.12 refuses it once main has ended)
 threading.Thread(target=loop).start()
 """
 

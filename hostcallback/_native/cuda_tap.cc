@@ -156,13 +156,9 @@ ffi::Error TapCudaImpl(cuda::Stream stream, int32_t ordinal, uint64_t consumer_i
     cuda::Event event = nullptr;
     cuda::Result evented = committer.TakeEvent(&event);
     if (static_cast<int>(evented) == 0) {
-      cuda::Context stream_context = nullptr;  // current here (StreamContext)
-      if (static_cast<int>(driver->stream_get_ctx(stream, &stream_context)) != 0) {
-        driver->ctx_get_current(&stream_context);
-      }
       try {
         evented = committer.RecordAndHand(
-            stream, PendingRecord{queue, record, size, event, stream_context, !failure.empty()});
+            stream, PendingRecord{queue, record, size, event, context.context(), !failure.empty()});
       } catch (const std::bad_alloc&) {
         if (!copying) ReleaseRecord(record);
         throw;

@@ -14,7 +14,12 @@ PinnedPool& g_pinned_pool = *new PinnedPool();
 
 StreamContext::StreamContext(const cuda::Driver& driver, cuda::Stream stream) : driver_(driver) {
   cuda::Context current = nullptr, wanted = nullptr;
-  if (static_cast<int>(driver.stream_get_ctx(stream, &wanted)) != 0 || wanted == nullptr) return;
+  if (static_cast<int>(driver.stream_get_ctx(stream, &wanted)) != 0) {
+    driver.ctx_get_current(&context_);
+    return;
+  }
+  context_ = wanted;
+  if (wanted == nullptr) return;
   if (static_cast<int>(driver.ctx_get_current(&current)) == 0 && current == wanted) return;
   pushed_ = static_cast<int>(driver.ctx_push_current(wanted)) == 0;
 }

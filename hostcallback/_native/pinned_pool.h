@@ -29,8 +29,12 @@ class StreamContext {
   StreamContext(const StreamContext&) = delete;
   StreamContext& operator=(const StreamContext&) = delete;
 
+  // The stream's context; the thread's current one where the driver cannot tell the stream's.
+  cuda::Context context() const { return context_; }
+
  private:
   const cuda::Driver& driver_;
+  cuda::Context context_ = nullptr;
   bool pushed_ = false;
 };
 

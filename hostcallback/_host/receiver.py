@@ -542,11 +542,11 @@ class ReceiverPool:
             first_begin_until = min(first_begin_until, started + (deadline - started) / 2)
         while True:
             self.raise_if_dead()
-            waiting = []
             shown = {key: outfeed.computations(key[1], platform=key[0]) for key in begun}
-            if (time.monotonic() < first_begin_until
-                    and self._none_ran_since(lowered_at, begun, shown)):
-                waiting.append(None)
+            # A guess: it ends at the deadline without an error.
+            awaiting_first_run = (time.monotonic() < first_begin_until
+                                  and self._none_ran_since(lowered_at, begun, shown))
+            waiting = []
             for key, count in begun.items():
                 now = shown[key]
                 before = now["oldest_running"] < count
@@ -563,15 +563,14 @@ class ReceiverPool:
                     now["running"] > 0 or 0 <= now["seconds_since_end"] < follow_s)
                 if before or following:
                     waiting.append(key)
-            if not waiting:
+            if not waiting and not awaiting_first_run:
                 return
             if deadline is not None and time.monotonic() >= deadline:
-                devices = [str(self._devices[k]) for k in waiting if k is not None]
-                if not devices:  # only a first run that may yet begin: no more to wait for
+                if not waiting:
                     return
                 raise TimeoutError(
                     f"barrier_wait timed out after {timeout} s: tapped "
-                    f"computations still running on {devices}")
+                    f"computations still running on {[str(self._devices[k]) for k in waiting]}")
             if notice is not None and notice.due():
                 notice.say()
             time.sleep(_COMPUTATIONS_POLL_SECONDS)

@@ -305,7 +305,7 @@ STOP_RIGHT_AFTER_A_LOWERING = """
 
 @pytest.mark.needs_internals("waits that cover computations dispatched from another thread whose "
                              "results nobody holds")
-def test_a_stop_with_a_timeout_right_after_a_tapped_function_was_lowered_delivers_and_stops():
+def test_a_stop_with_a_timeout_right_after_a_tapped_function_was_lowered_stops_in_time():
     # Its barrier waits a while for that function's first run to begin (up to 1 s at stop, but
     # at most half of its own time): then it goes on, without timing out.
     result = run_python(STOP_RIGHT_AFTER_A_LOWERING, devices=1)

@@ -47,14 +47,30 @@ def test_jax_debug_callback_of_a_reduction_of_the_result_compiles_too_once_taps_
 
 ANOTHER_COMPILE_ERROR = """
     import jax, jax.numpy as jnp
+    from jax._src import compiler
     import hostcallback as hcb
+    from hostcallback._trace import compile_rescue
 
-    jax.jit(lambda x: hcb.id_tap(lambda *a: None, x)).lower(1.0)  # taps in use
+    jax.jit(lambda x: hcb.id_tap(lambda *a: None, x)).lower(1.0)  # taps in use: the rescue too
+    xla_compile = compiler.backend_compile_and_load.hostcallback_wraps
+    compiles = []  # XLA's compiles, counted below the rescue
+
+    def counted(backend, module, executable_devices, options, host_callbacks):
+        compiles.append(1)
+        return xla_compile(backend, module, executable_devices, options, host_callbacks)
+
+    compiler.backend_compile_and_load = counted
+    compile_rescue.install()  # the rescue again, around the count
+    assert compiler.backend_compile_and_load.hostcallback_wraps is counted
+
     call = jax.ffi.ffi_call("hostcallback_no_such_target", jax.ShapeDtypeStruct((), jnp.float32))
+    lowered = jax.jit(lambda x: call(x)).lower(jnp.float32(1))
+    before = len(compiles)
     try:
-        jax.jit(lambda x: call(x)).lower(jnp.float32(1)).compile()
+        lowered.compile()
     except Exception as error:
         print("refused:", "hostcallback_no_such_target" in str(error))
+    print("compiles:", len(compiles) - before)
     """
 
 
@@ -62,6 +78,7 @@ def test_another_compile_error_is_not_retried():
     result = run_python(ANOTHER_COMPILE_ERROR, devices=1)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "refused: True" in result.stdout
+    assert "compiles: 1" in result.stdout
     assert "compiled it again" not in result.stderr
 
 

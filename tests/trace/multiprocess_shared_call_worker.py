@@ -9,8 +9,8 @@ device_index 3 (on process 1). Prints, for each, which process's reason its erro
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -41,6 +41,10 @@ with jax.set_mesh(mesh):
             if "a device of another process" in str(error):
                 names.append("another process")
             print(f"called from device_index {device_index}: {' and '.join(names)}", flush=True)
-    multihost_utils.sync_global_devices("done")  # neither leaves while the other still runs
+    # Neither leaves while the other still runs: a sum over the four devices, waited for on both
+    # of this process's devices. (multihost_utils.sync_global_devices waits for one of them: the
+    # other's part of its collective could still be connecting to the other process as this one
+    # left, and that process then waited for it forever.)
+    jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(x).block_until_ready()
 print("done", process_id, flush=True)
 jax.distributed.shutdown()

@@ -30,13 +30,13 @@ void Prune() {
 }
 }  // namespace
 
-uint64_t RunningComputations::Begin() {
+uint64_t RunningComputations::Begin(int64_t run_id) {
   Prune();
   uint64_t id;
   {
     std::lock_guard<std::mutex> lock(mu_);
     id = next_id_++;
-    running_.emplace(id, std::string());
+    running_.emplace(id, Running{run_id, std::string()});
   }
   t_running.emplace_back(this, id);
   return id;
@@ -47,12 +47,24 @@ bool RunningComputations::IsRunning(uint64_t id) {
   return running_.count(id) > 0;
 }
 
+uint64_t RunningComputations::OfRun(int64_t run_id) {
+  if (run_id == kUnknownRun) return kNoComputation;
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t found = kNoComputation;
+  for (const auto& [id, running] : running_) {
+    if (running.run_id != run_id) continue;
+    if (found != kNoComputation) return kNoComputation;
+    found = id;
+  }
+  return found;
+}
+
 std::string RunningComputations::End(uint32_t id_low_bits) {
   std::lock_guard<std::mutex> lock(mu_);
   std::string failure;
   for (auto it = running_.begin(); it != running_.end(); ++it) {
     if (static_cast<uint32_t>(it->first) == id_low_bits) {
-      failure = std::move(it->second);
+      failure = std::move(it->second.why);
       running_.erase(it);
       break;
     }
@@ -96,7 +108,7 @@ uint64_t RunningComputations::CurrentOnThisThread() {
 void RunningComputations::FailRunning(uint64_t id, const std::string& why) {
   std::lock_guard<std::mutex> lock(mu_);
   auto found = running_.find(id);
-  if (found != running_.end() && found->second.empty()) found->second = why;
+  if (found != running_.end() && found->second.why.empty()) found->second.why = why;
 }
 
 void EndFailedOnThisThread() {

@@ -14,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include "record.h"
+
 namespace hostcallback {
 
 inline constexpr uint64_t kNoComputation = UINT64_MAX;
@@ -29,11 +31,15 @@ class RunningComputations {
  public:
   // On the thread that runs the computation, which remembers it while it runs (XLA may end
   // it on another thread: entries of computations no longer running are pruned there).
-  uint64_t Begin();
+  // run_id: XLA's id of the execution (kUnknownRun where the handler has none).
+  uint64_t Begin(int64_t run_id = kUnknownRun);
   // The innermost computation of this device this thread began and still holds, or
   // kNoComputation: the one a tap this thread enqueues now belongs to.
   uint64_t CurrentOnThisThread();
   bool IsRunning(uint64_t id);
+  // The running computation of XLA's execution run_id, whichever thread XLA runs its ops on;
+  // kNoComputation where none or several (an id XLA gave more than one execution) have it.
+  uint64_t OfRun(int64_t run_id);
   // Ends the running computation whose id has these low 32 bits (what a computation carries);
   // returns the reason a failing tap of it left (FailRunning), or "".
   std::string End(uint32_t id_low_bits);
@@ -49,7 +55,11 @@ class RunningComputations {
  private:
   std::mutex mu_;
   uint64_t next_id_ = 0;
-  std::map<uint64_t, std::string> running_;  // id -> why it fails ("" while nothing failed it)
+  struct Running {
+    int64_t run_id = kUnknownRun;
+    std::string why;  // why it fails ("" while nothing failed it)
+  };
+  std::map<uint64_t, Running> running_;  // by id
   std::chrono::steady_clock::time_point last_end_{};
   bool ended_any_ = false;
 };

@@ -60,7 +60,10 @@ int64_t DeviceQueue::Join(std::unique_lock<std::mutex>& lock, Record& record, bo
     if (expects_response) g_responses.Forget({this, sequence});
     throw;
   }
-  origins_[sequence % kOrigins] = Origin{sequence, computations.CurrentOnThisThread()};
+  // The computation that made the record: its execution's, else the one this thread began.
+  uint64_t computation = computations.OfRun(record.run_id);
+  if (computation == kNoComputation) computation = computations.CurrentOnThisThread();
+  origins_[sequence % kOrigins] = Origin{sequence, computation};
   next_sequence_ += 1;
   if (!expects_response && !IsBarrierMarker(record)) taps_below_ = next_sequence_;
   on_joined();
@@ -544,10 +547,12 @@ void SetQueueBudget(uint64_t max_queue_bytes) {
 // ---- joining a queue --------------------------------------------------------------------------
 
 int64_t Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
-                uint16_t flags, double timeout_s, xla::ffi::ThreadPool* pool, uint64_t held_bytes) {
+                uint16_t flags, double timeout_s, xla::ffi::ThreadPool* pool, uint64_t held_bytes,
+                int64_t run_id) {
   if (InForkedChild()) return DeviceQueue::kForked;
   Record record = EncodeRecord(consumer_id, static_cast<uint32_t>(device), arrays, flags, pool);
   record.held_bytes = held_bytes;
+  record.run_id = run_id;
   const bool expects_response = (flags & kFlagExpectsResponse) != 0;
   int64_t pushed = DeviceQueue::kClosed;
   try {

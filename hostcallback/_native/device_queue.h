@@ -313,10 +313,10 @@ inline constexpr char kForkedMessage[] =
 // The record's sequence number, or DeviceQueue::kClosed, kTimedOut (WhyNotEnqueued says why: no
 // message is built for a tap that went in) or kDroppedAtExit (a tap: not an error). timeout_s
 // bounds the wait for room (a `call`'s timeout; 0: forever). Throws bad_alloc when the record
-// cannot be allocated; the record never leaks. held_bytes: see Record.
+// cannot be allocated; the record never leaks. held_bytes, run_id: see Record.
 int64_t Enqueue(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
                 uint16_t flags = 0, double timeout_s = 0, xla::ffi::ThreadPool* pool = nullptr,
-                uint64_t held_bytes = 0);
+                uint64_t held_bytes = 0, int64_t run_id = kUnknownRun);
 
 std::string WhyNotEnqueued(DeviceQueue* queue, int64_t pushed, double timeout_s);
 

@@ -70,8 +70,9 @@ ffi::Error AwaitTapsHandled(DeviceQueue* queue) {
 // kAwaitHandled: the tap returns once its record has been handled (the portable mode's taps,
 // which have no fence at the end of their computation).
 template <bool kAwaitHandled>
-ffi::Error TapImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consumer_id,
-                   int64_t emit_device, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+ffi::Error TapImpl(int32_t device_ordinal, ffi::RunId run, ffi::ThreadPool pool,
+                   uint64_t consumer_id, int64_t emit_device, ffi::RemainingArgs args,
+                   ffi::RemainingRets rets) {
   (void)rets;  // only the ordering token, which carries no data
   return Guarded([&]() -> ffi::Error {
     if (emit_device != kAllDevices && emit_device != device_ordinal) return ffi::Error::Success();
@@ -91,7 +92,8 @@ ffi::Error TapImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consum
     if (ffi::Error error = CollectArrays(args, views, &count); error.failure()) return error;
     DeviceQueue* queue = NativeQueueFor(device_ordinal);
     const int64_t pushed =
-        Enqueue(queue, device_ordinal, consumer_id, ArrayViews(views, count), 0, 0, &pool);
+        Enqueue(queue, device_ordinal, consumer_id, ArrayViews(views, count), 0, 0, &pool,
+                /*held_bytes=*/0, run.run_id);
     if (pushed == DeviceQueue::kDroppedAtExit) return ffi::Error::Success();
     if (pushed < 0) return ffi::Error::Internal(WhyNotEnqueued(queue, pushed, 0));
     if (kAwaitHandled) return AwaitTapsHandled(queue);
@@ -100,15 +102,17 @@ ffi::Error TapImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consum
 }
 
 // The start of a tapped computation, before its taps (the token it returns starts their chain):
-// hands out the computation's id (its low 32 bits) for the fence to end it with.
-ffi::Error BeginImpl(int32_t device_ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+// hands out the computation's id (its low 32 bits) for the fence to end it with. The execution's
+// id tells its taps' records which computation made them, on whatever thread XLA runs them.
+ffi::Error BeginImpl(int32_t device_ordinal, ffi::RunId run, ffi::RemainingArgs args,
+                     ffi::RemainingRets rets) {
   (void)args;  // only the token that orders it
   return Guarded(
       [&]() -> ffi::Error {
         uint32_t id = 0;
         if (device_ordinal >= 0) {
           DeviceQueue* queue = NativeQueueFor(device_ordinal);
-          id = static_cast<uint32_t>(queue->computations.Begin());
+          id = static_cast<uint32_t>(queue->computations.Begin(run.run_id));
         }
         for (size_t i = 0; i < rets.size(); ++i) {
           ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
@@ -358,6 +362,7 @@ ffi::Error OrderImpl(ffi::RemainingArgs args, ffi::RemainingRets rets) {
 auto TapBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::DeviceOrdinal>()
+      .Ctx<ffi::RunId>()
       .Ctx<ffi::ThreadPool>()
       .Attr<uint64_t>("consumer_id")
       .Attr<int64_t>("emit_device")
@@ -405,7 +410,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackTapHandled, TapImpl<true>, TapBinding(
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     HostcallbackBegin, BeginImpl,
-    ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>().RemainingArgs().RemainingRets());
+    ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>().Ctx<ffi::RunId>().RemainingArgs().RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     HostcallbackFence, FenceImpl,

@@ -56,6 +56,9 @@ struct ArrayViews {
 // A record's bytes, 64-byte aligned. Its size lives here, outside the bytes, so that nothing
 // written into a record can change how much memory is returned (or reused) for it. capacity is
 // what was allocated (a pool size class), size what the record uses and the budget counts.
+// Record::run_id where the handler that made the record does not know its XLA execution.
+inline constexpr int64_t kUnknownRun = -1;
+
 struct Record {
   uint8_t* data = nullptr;
   size_t size = 0;
@@ -63,6 +66,9 @@ struct Record {
   bool outside_pool = false;  // larger than the pool could keep: freed, never pooled
   bool pinned = false;        // page-locked memory of the pinned pool (a GPU tap, cuda_tap.cc)
   bool urgent = false;        // a call or a barrier marker: its queue wakes the receiver at once
+  // The XLA execution whose tap made it (FFI's RunId): tells the computation that made it apart
+  // whichever thread XLA ran the tap on (RunningComputations::OfRun).
+  int64_t run_id = kUnknownRun;
   // Bytes of arrays the record stands for that are held elsewhere (a tap handed over in Python,
   // kFlagHandedOverInPython): its queue's budget counts them with the record's own.
   uint64_t held_bytes = 0;

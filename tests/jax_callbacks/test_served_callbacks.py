@@ -374,6 +374,19 @@ def test_a_raising_callback_fails_its_own_computation_never_a_later_one(served):
         jax.effects_barrier()
 
 
+def test_a_callback_raising_after_a_long_loop_fails_its_computation(served):
+    """XLA runs what follows a long loop on one of its worker threads, not the one that began the
+    computation: the callback's record names its computation by XLA's execution all the same."""
+    heavy = jnp.ones((800, 800)) / 800  # products XLA splits over its threads
+    step = jax.jit(lambda c: (jax.debug.callback(fails, jax.lax.fori_loop(
+        0, 10, lambda i, c: jnp.tanh(c @ c), c)[0, 0]), c)[1])
+    for _ in range(5):
+        with pytest.raises(jax.errors.JaxRuntimeError, match="no good"):
+            step(heavy).block_until_ready()
+        with pytest.raises(hcb.CallbackException, match="no good"):
+            jax.effects_barrier()
+
+
 def test_a_raising_callback_never_fails_a_computation_of_another_thread(served):
     """B begins on another thread while A computes; then A's callback raises: B is not
     failed (A is where its tap's thread tells which computation made it; the barrier reports

@@ -118,4 +118,13 @@ void EndFailedOnThisThread() {
   computations->End(static_cast<uint32_t>(id));
 }
 
+void EndFailedRun(RunningComputations* computations, int64_t run_id) {
+  const uint64_t id = computations == nullptr ? kNoComputation : computations->OfRun(run_id);
+  if (id == kNoComputation) {
+    EndFailedOnThisThread();
+  } else {
+    computations->End(static_cast<uint32_t>(id));
+  }
+}
+
 }  // namespace hostcallback

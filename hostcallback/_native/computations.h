@@ -68,6 +68,11 @@ class RunningComputations {
 // is still running ends now, since XLA runs nothing more of it.
 void EndFailedOnThisThread();
 
+// A handler failed the computation of XLA's execution run_id among `computations` (a device's):
+// it ends now. Where that names none (computations null, run_id unknown or shared), as
+// EndFailedOnThisThread: XLA may run a handler on another of its threads than the begin.
+void EndFailedRun(RunningComputations* computations, int64_t run_id);
+
 }  // namespace hostcallback
 
 #endif  // HOSTCALLBACK_NATIVE_COMPUTATIONS_H_

@@ -37,12 +37,32 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// Which computation a failing handler ends, since its fence will not run: the one of the
+// handler's XLA execution on its device where it knows both, else the innermost one its thread
+// began (computations.h). The begin and the fence (which ends its computation itself) end none.
+struct Ends {
+  bool computation = true;
+  int32_t device = -1;
+  int64_t run_id = kUnknownRun;
+};
+constexpr Ends kEndsNone{false};
+
+void EndFailed(const Ends& ends) noexcept {
+  try {
+    RunningComputations* computations = nullptr;
+    if (ends.device >= 0 && ends.run_id != kUnknownRun) {
+      computations = &NativeQueueFor(ends.device)->computations;
+    }
+    EndFailedRun(computations, ends.run_id);
+  } catch (...) {  // out of memory for the device's queue: a barrier takes it for failed later
+  }
+}
+
 // Every handler's body runs inside this: a C++ exception (bad_alloc for a record larger than
 // memory) becomes an FFI error that fails the computation with the reason, never a crash.
-// An error fails the computation, whose fence then never runs: it ends here (the fence, which
-// ends its computation itself, passes ends_on_failure = false).
+// An error fails the computation, whose fence then never runs: it ends here (`ends`).
 template <typename Body>
-ffi::Error Guarded(Body body, bool ends_on_failure = true) noexcept {
+ffi::Error Guarded(Ends ends, Body body) noexcept {
   ffi::Error error = ffi::Error::Success();
   try {
     error = body();
@@ -53,7 +73,7 @@ ffi::Error Guarded(Body body, bool ends_on_failure = true) noexcept {
   } catch (...) {
     error = ffi::Error::Internal("hostcallback: unknown C++ exception in the tap handler");
   }
-  if (error.failure() && ends_on_failure) EndFailedOnThisThread();
+  if (error.failure() && ends.computation) EndFailed(ends);
   return error;
 }
 
@@ -74,7 +94,7 @@ ffi::Error TapImpl(int32_t device_ordinal, ffi::RunId run, ffi::ThreadPool pool,
                    uint64_t consumer_id, int64_t emit_device, ffi::RemainingArgs args,
                    ffi::RemainingRets rets) {
   (void)rets;  // only the ordering token, which carries no data
-  return Guarded([&]() -> ffi::Error {
+  return Guarded(Ends{true, device_ordinal, run.run_id}, [&]() -> ffi::Error {
     if (emit_device != kAllDevices && emit_device != device_ordinal) return ffi::Error::Success();
     if (device_ordinal < 0) {
       return ffi::Error::Internal("hostcallback: negative device ordinal " +
@@ -107,22 +127,20 @@ ffi::Error TapImpl(int32_t device_ordinal, ffi::RunId run, ffi::ThreadPool pool,
 ffi::Error BeginImpl(int32_t device_ordinal, ffi::RunId run, ffi::RemainingArgs args,
                      ffi::RemainingRets rets) {
   (void)args;  // only the token that orders it
-  return Guarded(
-      [&]() -> ffi::Error {
-        uint32_t id = 0;
-        if (device_ordinal >= 0) {
-          DeviceQueue* queue = NativeQueueFor(device_ordinal);
-          id = static_cast<uint32_t>(queue->computations.Begin(run.run_id));
-        }
-        for (size_t i = 0; i < rets.size(); ++i) {
-          ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
-          if (!ret.has_value()) return ret.error();
-          ffi::AnyBuffer out = *ret.value();
-          if (out.element_type() == ffi::DataType::U32) std::memcpy(out.untyped_data(), &id, 4);
-        }
-        return ffi::Error::Success();
-      },
-      /*ends_on_failure=*/false);
+  return Guarded(kEndsNone, [&]() -> ffi::Error {
+    uint32_t id = 0;
+    if (device_ordinal >= 0) {
+      DeviceQueue* queue = NativeQueueFor(device_ordinal);
+      id = static_cast<uint32_t>(queue->computations.Begin(run.run_id));
+    }
+    for (size_t i = 0; i < rets.size(); ++i) {
+      ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> ret = rets.get<ffi::AnyBuffer>(i);
+      if (!ret.has_value()) return ret.error();
+      ffi::AnyBuffer out = *ret.value();
+      if (out.element_type() == ffi::DataType::U32) std::memcpy(out.untyped_data(), &id, 4);
+    }
+    return ffi::Error::Success();
+  });
 }
 
 // The end of a tapped computation, after its taps (their tokens): waits until the device's
@@ -130,27 +148,25 @@ ffi::Error BeginImpl(int32_t device_ordinal, ffi::RunId run, ffi::RemainingArgs 
 // only once its taps were handled; then ends the computation its begin's id names.
 ffi::Error FenceImpl(int32_t device_ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   (void)rets;  // only a token
-  return Guarded(
-      [&]() -> ffi::Error {
-        if (device_ordinal < 0) return ffi::Error::Success();
-        DeviceQueue* queue = NativeQueueFor(device_ordinal);
-        bool has_id = false;
-        uint32_t id = 0;
-        for (size_t i = 0; i < args.size() && !has_id; ++i) {
-          ffi::ErrorOr<ffi::AnyBuffer> arg = args.get<ffi::AnyBuffer>(i);
-          if (!arg.has_value()) return arg.error();
-          if (arg.value().element_type() != ffi::DataType::U32) continue;
-          std::memcpy(&id, arg.value().untyped_data(), sizeof(id));
-          has_id = true;  // (the first uint32 operand; the weight follows it)
-        }
-        ffi::Error handled = AwaitTapsHandled(queue);
-        if (!has_id) return handled;
-        // A tap that fails its computation (RunningComputations::FailRunning) failed meanwhile.
-        const std::string failure = queue->computations.End(id);
-        if (handled.success() && !failure.empty()) return ffi::Error::Internal(failure);
-        return handled;
-      },
-      /*ends_on_failure=*/false);
+  return Guarded(kEndsNone, [&]() -> ffi::Error {
+    if (device_ordinal < 0) return ffi::Error::Success();
+    DeviceQueue* queue = NativeQueueFor(device_ordinal);
+    bool has_id = false;
+    uint32_t id = 0;
+    for (size_t i = 0; i < args.size() && !has_id; ++i) {
+      ffi::ErrorOr<ffi::AnyBuffer> arg = args.get<ffi::AnyBuffer>(i);
+      if (!arg.has_value()) return arg.error();
+      if (arg.value().element_type() != ffi::DataType::U32) continue;
+      std::memcpy(&id, arg.value().untyped_data(), sizeof(id));
+      has_id = true;  // (the first uint32 operand; the weight follows it)
+    }
+    ffi::Error handled = AwaitTapsHandled(queue);
+    if (!has_id) return handled;
+    // A tap that fails its computation (RunningComputations::FailRunning) failed meanwhile.
+    const std::string failure = queue->computations.End(id);
+    if (handled.success() && !failure.empty()) return ffi::Error::Internal(failure);
+    return handled;
+  });
 }
 
 // Zeros in every output but the token.
@@ -206,10 +222,10 @@ void ReportSharedTimeout(const std::string& problem) {
 // calling device must not fail on its own, since the others wait for it in the collective that
 // shares its results: it returns zeros with its failure id as the flag and leaves the reason for
 // HostcallbackCheck, which fails every device together after the collective.
-ffi::Error CallImpl(int32_t device_ordinal, ffi::ThreadPool pool, uint64_t consumer_id,
-                    int64_t emit_device, double timeout_s, ffi::RemainingArgs args,
-                    ffi::RemainingRets rets) {
-  return Guarded([&]() -> ffi::Error {
+ffi::Error CallImpl(int32_t device_ordinal, ffi::RunId run, ffi::ThreadPool pool,
+                    uint64_t consumer_id, int64_t emit_device, double timeout_s,
+                    ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  return Guarded(Ends{true, device_ordinal, run.run_id}, [&]() -> ffi::Error {
     const bool shared = emit_device != kAllDevices;
     if (shared && emit_device != device_ordinal) return ZeroOutputs(rets);
     std::string problem;
@@ -269,7 +285,7 @@ ffi::Error SharedCallImpl(int32_t device_ordinal, ffi::RunId run, ffi::ThreadPoo
                           ffi::Span<const int64_t> ordinals, ffi::Span<const int64_t> sends,
                           double timeout_s, std::string_view name, uint64_t site,
                           ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  return Guarded([&]() -> ffi::Error {
+  return Guarded(Ends{true, device_ordinal, run.run_id}, [&]() -> ffi::Error {
     const size_t parts = ordinals.size();
     const auto own = std::find(ordinals.begin(), ordinals.end(), int64_t{device_ordinal});
     if (own == ordinals.end() || rets.size() < 2 ||
@@ -327,8 +343,9 @@ ffi::Error SharedCallImpl(int32_t device_ordinal, ffi::RunId run, ffi::ThreadPoo
 // After a shared call's results and failure flags were summed over the devices: fails with the
 // call's reason when any device failed, else passes its operands (the flag, then the values)
 // through.
-ffi::Error CheckImpl(uint64_t consumer_id, ffi::RemainingArgs args, ffi::RemainingRets rets) {
-  return Guarded([&]() -> ffi::Error {
+ffi::Error CheckImpl(int32_t device_ordinal, ffi::RunId run, uint64_t consumer_id,
+                     ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  return Guarded(Ends{true, device_ordinal, run.run_id}, [&]() -> ffi::Error {
     ffi::ErrorOr<ffi::AnyBuffer> flag = args.get<ffi::AnyBuffer>(0);
     if (!flag.has_value()) return flag.error();
     uint32_t failed = 0;
@@ -355,7 +372,7 @@ ffi::Error CheckImpl(uint64_t consumer_id, ffi::RemainingArgs args, ffi::Remaini
 // ordered by it): its results, the token and uint32 zeros, come after its operands.
 ffi::Error OrderImpl(ffi::RemainingArgs args, ffi::RemainingRets rets) {
   (void)args;  // only what it comes after
-  return Guarded([&]() { return ZeroOutputs(rets); });
+  return Guarded(Ends{}, [&]() { return ZeroOutputs(rets); });
 }
 
 // Both taps read the same signature.
@@ -375,6 +392,7 @@ auto TapBinding() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackCall, CallImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::RunId>()
                                   .Ctx<ffi::ThreadPool>()
                                   .Attr<uint64_t>("consumer_id")
                                   .Attr<int64_t>("emit_device")
@@ -400,9 +418,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackSharedCall, SharedCallImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackOrder, OrderImpl,
                               ffi::Ffi::Bind().RemainingArgs().RemainingRets());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    HostcallbackCheck, CheckImpl,
-    ffi::Ffi::Bind().Attr<uint64_t>("consumer_id").RemainingArgs().RemainingRets());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackCheck, CheckImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Ctx<ffi::RunId>()
+                                  .Attr<uint64_t>("consumer_id")
+                                  .RemainingArgs()
+                                  .RemainingRets());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(HostcallbackTap, TapImpl<false>, TapBinding());
 

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import hostcallback as hcb
 from helpers import run_python
+from hostcallback._native import outfeed
 from hostcallback._records import handover
 
 
@@ -105,6 +106,27 @@ def test_a_raising_callback_fails_the_computation_clearly_and_the_process_goes_o
     hcb.barrier_wait()  # reported once, where it failed: not again at the barrier
     ok = jax.jit(lambda x: hcb.call(lambda v: np.asarray(v) + 1, x, result_shape=x))(1.0)
     assert ok == 2.0  # later calls keep working
+
+
+@pytest.mark.needs_internals("the count of tapped computations running on a device")
+def test_a_call_failing_after_a_long_loop_leaves_no_computation_running(caplog):
+    """XLA runs what follows a long loop on one of its worker threads, not the one that began the
+    computation: the failing call ends its computation all the same (XLA's execution names it),
+    so the next barrier neither waits for it nor takes it for failed, saying so, seconds later."""
+    def broken(v):
+        raise ValueError("no answer today")
+
+    heavy = jnp.ones((800, 800)) / 800  # products XLA splits over its threads
+    step = jax.jit(lambda c: hcb.call(broken, lax.fori_loop(
+        0, 10, lambda i, c: jnp.tanh(c @ c), c)[0, 0], result_shape=c[0, 0]))
+    device = jax.devices()[0]
+    for _ in range(3):
+        with pytest.raises(Exception, match="no answer today"):
+            step(heavy).block_until_ready()
+        assert outfeed.computations(device.id)["running"] == 0
+    with caplog.at_level(logging.WARNING, logger="hostcallback"):
+        hcb.barrier_wait(timeout=60)
+    assert "taken for failed" not in caplog.text
 
 
 @pytest.mark.parametrize("answer,message", [

@@ -353,6 +353,11 @@ class Lifecycle:
         except (TimeoutError, CallbackException) as error:
             self._stop_gave_up = isinstance(error, TimeoutError)
             logger.warning("hostcallback: %s", error)
+        except Exception:
+            # The barrier itself failed (dispatching its markers, say): the queues close all
+            # the same, so that no computation waits on them for good; then the error follows.
+            self._pool.close(deadline)
+            raise
         return self._pool.close(deadline)
 
     def _at_exit(self) -> None:

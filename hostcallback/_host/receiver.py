@@ -307,6 +307,7 @@ class ReceiverPool:
             context = for_this_thread()
             context.device = device
             self._contexts[key] = context
+            stopping_seen = False
             while True:
                 try:
                     batch, markers = outfeed.drain(ordinal, _DRAIN_RECORDS, _DRAIN_BYTES,
@@ -340,9 +341,14 @@ class ReceiverPool:
                         if markers:
                             self._markers[key].update(markers)
                             self._marker_seen.notify_all()
-                # The queues are closed before _stopping is set, so an empty batch means done.
+                # The queues are closed before _stopping is set, and a closed queue hands out
+                # what it holds at once: an empty batch from a drain that began after _stopping
+                # was seen means done (one from before may have missed a record that joined
+                # before the close).
                 elif self._stopping.is_set():
-                    return
+                    if stopping_seen:
+                        return
+                    stopping_seen = True
                 del batch
         except BaseException as error:  # noqa: BLE001 - reported through _receiver_died
             self._receiver_died(key, error)

@@ -197,8 +197,13 @@ class DeviceQueue {
   // Why this queue refuses records: its failure, or that the receivers were stopped.
   std::string ClosedReason();
 
-  // Wakes producers waiting for room, so that a larger budget takes effect at once.
-  void Poke() { not_full_.notify_all(); }
+  // Wakes producers waiting for room, so that a larger budget takes effect at once. The budget
+  // is stored outside mu_: taking mu_ first means a producer that read the old one is already
+  // waiting, and is woken.
+  void Poke() {
+    { std::lock_guard<std::mutex> lock(mu_); }
+    not_full_.notify_all();
+  }
 
   QueueStats Stats();
 

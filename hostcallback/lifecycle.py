@@ -231,10 +231,15 @@ class Lifecycle:
         """Waits until what this thread dispatched before to single devices is complete: XLA
         runs a single-device computation after those its thread dispatched before. So a probe
         per device, too large for XLA to run while dispatching it (it would wait for them right
-        there, past any deadline), is ready only after them."""
+        there, past any deadline), is ready only after them. Where a computation waits for the
+        host (a busy consumer), a device may hold as many computations in flight as XLA's client
+        takes, and a probe dispatched to it would wait for a free one, past the deadline: with a
+        deadline, such a device gets none (the waiting computation has begun, and the barrier
+        follows it and those that begin after it)."""
         if not self._probes:
             self._probes = _make_probes(self._pool.platform_groups())
-        outs = [probe(argument) for probe, argument in self._probes]
+        outs = [probe(argument) for probe, argument in self._probes
+                if deadline is None or not self._pool.waits_for_host(_device_of(argument))]
         _wait_until_ready(outs, deadline, timeout, notice)
 
     def _wait_for_markers(self, logging_name: str | None, timeout: float | None,
@@ -451,6 +456,11 @@ def _make_probes(platform_groups: dict[str, list]) -> list[tuple]:
     single = jax.jit(lambda x: x.sum())
     return [(single, jax.device_put(np.zeros(_PROBE_ELEMENTS, np.float32), device))
             for devices in platform_groups.values() for device in devices]
+
+
+def _device_of(array) -> Any:
+    (device,) = array.devices()
+    return device
 
 
 def _live_results_not_ready() -> list:

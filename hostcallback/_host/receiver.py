@@ -607,6 +607,16 @@ class ReceiverPool:
             return False
         return time.monotonic() - since >= self.presumed_failed_s
 
+    def waits_for_host(self, device: Any) -> bool:
+        """Whether a computation on ``device`` waits for the host now: a tap for room in the full
+        queue, a call for its answer, a computation's end for its taps. The computations
+        dispatched after it stay in flight meanwhile, as many as XLA's client takes."""
+        key = queue_key(device)
+        if key not in self._devices:
+            return False
+        stats = outfeed.stats(key[1], platform=key[0])
+        return stats["producers_waiting"] + stats["calls_waiting"] + stats["fences_waiting"] > 0
+
     def platform_groups(self) -> dict[str, list]:
         groups: dict[str, list] = {}
         for (platform, _), device in self._devices.items():

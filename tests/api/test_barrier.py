@@ -116,6 +116,33 @@ def test_barrier_times_out_instead_of_hanging(transport):
     dispatcher.join(30)
 
 
+def test_a_barriers_timeout_holds_while_steps_pile_up_behind_a_busy_consumer(transport):
+    """Another thread's steps wait behind one held by a busy consumer, until XLA's client takes
+    no more in flight on the device: the barrier's timeout still holds (it sends nothing there
+    that would wait for a free place)."""
+    release = threading.Event()
+    release.set()
+
+    def busy(arg, transforms):
+        release.wait(30)
+
+    step = jax.jit(lambda x: hcb.id_tap(busy, jnp.tanh(x @ x / 64)))
+    x = jnp.eye(64)
+    step(x).block_until_ready()
+    hcb.barrier_wait(timeout=30)  # compiled, with the barrier's own computations
+    release.clear()  # the consumer is busy from now on
+    dispatcher = threading.Thread(target=lambda: [step(x) for _ in range(60)])
+    dispatcher.start()
+    time.sleep(0.5)  # the first step waits for the consumer, the rest behind it
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="timed out after 1 s"):
+        hcb.barrier_wait(timeout=1)
+    assert time.monotonic() - start < 3
+    release.set()
+    hcb.barrier_wait(timeout=60)
+    dispatcher.join(60)
+
+
 def test_barrier_covers_computations_from_other_threads(transport, collector):
     tap = jax.jit(lambda x: hcb.id_tap(collector, x))
 

@@ -402,10 +402,14 @@ class Lifecycle:
         if _ended_by_ctrl_c() or 0 <= outfeed.seconds_since_interrupt() < _RECENT_CTRL_C_SECONDS:
             notice_after = 0.0
             self._pool.presumed_failed_s = _PRESUMED_FAILED_AFTER_CTRL_C
+            # Computations of calls end at their next call, as on the main thread a Ctrl-C ends
+            # them (XLA's worker threads, which run pmap and sharded parts, never see it).
+            outfeed.interrupt_calls()
 
         try:
             undelivered = self.stop(timeout=timeout, notice_after=notice_after)
         except KeyboardInterrupt:
+            outfeed.set_leaving()  # computations still running stop at their next tap
             left = self._pool.abandon()
             sys.stderr.write(f"hostcallback: exit without the {left} queued tap record(s) "
                              "(Ctrl-C)\n")

@@ -401,7 +401,7 @@ void DeviceQueue::Fail(const std::string& reason) {
 
 std::string DeviceQueue::ClosedReason() {
   std::lock_guard<std::mutex> lock(mu_);
-  return failure_.empty() ? std::string(Responses::kStoppedMessage) : failure_;
+  return failure_.empty() ? StoppedReason() : failure_;
 }
 
 QueueStats DeviceQueue::Stats() {
@@ -516,11 +516,29 @@ void SetAllClosed(bool closed) {
 }
 
 namespace {
-std::atomic<bool> g_exiting{false};
+std::atomic<bool> g_exiting{false}, g_leaving{false};
 std::atomic<uint64_t> g_dropped_at_exit{0};
 }  // namespace
 
 void SetExiting() { g_exiting.store(true); }
+
+void SetLeaving() { g_leaving.store(true); }
+
+namespace {
+bool Leaving() { return g_leaving.load(std::memory_order_relaxed); }
+}  // namespace
+
+std::string StoppedReason() {
+  if (Leaving()) {
+    return "hostcallback: the program was interrupted (Ctrl-C) and left without its taps and "
+           "calls";
+  }
+  if (g_exiting.load()) {
+    return "hostcallback: the program is exiting, and its receivers have stopped: taps and calls "
+           "cannot be delivered any more";
+  }
+  return Responses::kStoppedMessage;
+}
 
 namespace {
 std::atomic<bool> g_forked_child{false};
@@ -533,7 +551,7 @@ bool InForkedChild() { return g_forked_child.load(std::memory_order_relaxed); }
 uint64_t DroppedAtExit() { return g_dropped_at_exit.load(); }
 
 bool DropAtExit() {
-  if (!g_exiting.load()) return false;
+  if (!g_exiting.load() || Leaving()) return false;
   g_dropped_at_exit.fetch_add(1);
   return true;
 }

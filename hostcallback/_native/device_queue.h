@@ -298,6 +298,13 @@ void SetQueueBudget(uint64_t max_queue_bytes);
 // exit handlers would print; exit's warning has said how much was left.
 void SetExiting();
 uint64_t DroppedAtExit();
+// Exit was told to leave at once (a second Ctrl-C): a tap that finds its queue closed from then
+// on fails its computation, so that XLA stops running it; dropped, the taps would let it run to
+// its end, and finalization waits for it (minutes, for a long loop of taps).
+void SetLeaving();
+// Why a closed queue refuses a tap or call, where no failure of its own says more: a Ctrl-C that
+// left, interpreter exit, or stop_outfeed_receiver().
+std::string StoppedReason();
 // A tap that found its queue closed: once exit has given up waiting (SetExiting), it is counted
 // as dropped at exit (true); before that it is an error (false).
 bool DropAtExit();

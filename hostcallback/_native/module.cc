@@ -560,6 +560,13 @@ void DefineModule(nb::module_& m) {
         "Interpreter exit has given up waiting: from now on a tap that finds its queue closed "
         "is dropped and counted (dropped_at_exit) instead of failing its computation.");
   m.def("dropped_at_exit", &DroppedAtExit);
+  m.def(
+      "interrupt_calls", [] { g_responses.InterruptCalls(); },
+      "The program was ended by a Ctrl-C and exits: every waiting and future call fails at "
+      "once, so that computations of calls end; taps are still delivered.");
+  m.def("set_leaving", &SetLeaving,
+        "Exit was told to leave at once (a Ctrl-C): from now on a tap that finds its queue "
+        "closed fails its computation, so that XLA stops running it.");
   m.def("seconds_since_interrupt", &SecondsSinceInterrupt,
         "Seconds since the last SIGINT (Ctrl-C) the handler watch_interrupts() put in place saw; "
         "-1 before the first.");

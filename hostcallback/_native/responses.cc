@@ -52,8 +52,10 @@ bool Responses::Waiting(Key key) {
 std::string Responses::Wait(Key key, double timeout_s, Response* out, double call_timeout_s) {
   std::unique_lock<std::mutex> lock(mu_);
   auto entry = table_.find(key);  // map iterators stay valid while others come and go
-  if (entry == table_.end()) return kStoppedMessage;
-  auto answered = [&] { return closed_ || entry->second.answered || failed_.count(key.first) > 0; };
+  if (entry == table_.end()) return StoppedReason();
+  auto answered = [&] {
+    return closed_ || calls_interrupted_ || entry->second.answered || failed_.count(key.first) > 0;
+  };
   // The receiver answers a small call within microseconds: see spin_wait.h.
   const auto start = std::chrono::steady_clock::now();
   SpinUnlocked(lock, changes_, SpinWithin(kAnswerSpin, timeout_s), answered);
@@ -74,7 +76,8 @@ std::string Responses::Wait(Key key, double timeout_s, Response* out, double cal
     return "hostcallback: the call was " + interrupted + " while it waited for the host's answer";
   }
   if (auto failed = failed_.find(key.first); failed != failed_.end()) return failed->second;
-  if (closed_) return kStoppedMessage;
+  if (calls_interrupted_) return kInterruptedMessage;
+  if (closed_) return StoppedReason();
   return TimeoutMessage(call_timeout_s);
 }
 
@@ -95,6 +98,20 @@ void Responses::SetClosed(bool closed) {
     changes_.Bump();
   }
   cv_.notify_all();
+}
+
+void Responses::InterruptCalls() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    calls_interrupted_ = true;
+    changes_.Bump();
+  }
+  cv_.notify_all();
+}
+
+bool Responses::CallsInterrupted() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return calls_interrupted_;
 }
 
 void Responses::Fail(const DeviceQueue* queue, const std::string& reason) {
@@ -134,6 +151,7 @@ CallFailures& g_call_failures = *new CallFailures();
 std::string CallHost(DeviceQueue* queue, int device, uint64_t consumer_id, ArrayViews arrays,
                      double timeout_s, Response* response, uint16_t flags,
                      xla::ffi::ThreadPool* pool) {
+  if (g_responses.CallsInterrupted()) return Responses::kInterruptedMessage;
   // One timeout for the whole call: waiting for room in the queue, then for the answer.
   const auto start = std::chrono::steady_clock::now();
   const int64_t pushed = Enqueue(queue, device, consumer_id, arrays, flags, timeout_s, pool);

@@ -54,6 +54,14 @@ class Responses {
 
   void SetClosed(bool closed);
 
+  // The program was ended by a Ctrl-C and exits: every waiting and future call fails at once with
+  // kInterruptedMessage, so that computations of calls end (those on XLA's worker threads, which
+  // never see Python's signals, too), while taps are still delivered.
+  void InterruptCalls();
+  bool CallsInterrupted();
+  static constexpr char kInterruptedMessage[] =
+      "hostcallback: the call was interrupted (Ctrl-C) as the program exits";
+
   // Every waiting and future call on this queue fails with the reason (its receiver died).
   void Fail(const DeviceQueue* queue, const std::string& reason);
 
@@ -72,6 +80,7 @@ class Responses {
   std::map<Key, Entry> table_;
   std::map<const DeviceQueue*, std::string> failed_;
   bool closed_ = false;
+  bool calls_interrupted_ = false;  // InterruptCalls
 };
 
 // Why a shared call failed where its reason is not in this process (it failed on a device of

@@ -228,6 +228,90 @@ def test_a_long_exit_says_what_it_waits_for_and_ctrl_c_leaves_quietly():
     assert "Traceback" not in rest and "Exception ignored" not in rest
 
 
+LONG_LOOP_OF_TAPS = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive run has it
+import jax
+import jax.numpy as jnp
+import hostcallback as hcb
+def body(c, i):
+    big = jnp.ones((300, 300)) * c  # a few milliseconds a step: a minute in all
+    for _ in range(2):
+        big = jnp.tanh(big @ big / 300)
+    hcb.id_tap(lambda v, _: None, big.sum())
+    return c + 1e-6 * big.sum(), big.sum()
+loop = jax.jit(lambda c: jax.lax.scan(body, c, jnp.arange(20000))[0])
+print("running", file=sys.stderr, flush=True)
+print("result", loop(jnp.float32(0.01)))  # the user presses Ctrl-C here, and again at exit
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_second_ctrl_c_at_exit_stops_a_long_loop_of_taps_at_once():
+    """The second Ctrl-C leaves without the loop's taps, and the loop stops at its next tap:
+    XLA would run it to its end (minutes) while the interpreter finalizes."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    child = subprocess.Popen([sys.executable, "-c", LONG_LOOP_OF_TAPS], stderr=subprocess.PIPE,
+                             text=True, env=env)
+    lines = []
+    for line in child.stderr:
+        lines.append(line)
+        if line == "running\n":
+            time.sleep(1.0)
+            child.send_signal(signal.SIGINT)
+        if EXIT_NOTICE in line:
+            child.send_signal(signal.SIGINT)
+            left = time.monotonic()
+            break
+    rest = child.stderr.read()
+    assert child.wait(timeout=60) == -signal.SIGINT, "".join(lines) + rest
+    assert time.monotonic() - left < 10
+    assert "Exception ignored" not in rest, rest
+
+
+CALLS_UNDER_PMAP = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive run has it
+import jax
+import jax.numpy as jnp
+import numpy as np
+import hostcallback as hcb
+def body(c, i):
+    big = jnp.ones((300, 300)) * c  # a few milliseconds a step: minutes in all
+    for _ in range(2):
+        big = jnp.tanh(big @ big / 300)
+    r = hcb.call(lambda v: np.float32(v) * 0.5, big.sum(),
+                 result_shape=jax.ShapeDtypeStruct((), jnp.float32))
+    return c + 1e-6 * r, r
+loop = jax.pmap(lambda c: jax.lax.scan(body, c, jnp.arange(100000))[0])
+print("running", file=sys.stderr, flush=True)
+print("result", loop(jnp.full((4,), 0.01)))  # the user presses Ctrl-C here
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_ends_a_loop_of_calls_under_pmap_at_once():
+    """pmap runs each device's part on one of XLA's threads, which never see Python's signals:
+    exit after the Ctrl-C fails their calls, and so ends the loop, at once."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    child = subprocess.Popen([sys.executable, "-c", CALLS_UNDER_PMAP], stderr=subprocess.PIPE,
+                             text=True, env=env)
+    lines = []
+    for line in child.stderr:
+        lines.append(line)
+        if line == "running\n":
+            time.sleep(1.0)
+            child.send_signal(signal.SIGINT)
+            interrupted = time.monotonic()
+            break
+    rest = child.stderr.read()
+    assert child.wait(timeout=60) == -signal.SIGINT, "".join(lines) + rest
+    assert time.monotonic() - interrupted < 10, rest
+    assert "the call was interrupted (Ctrl-C) as the program exits" in rest
+
+
 @pytest.mark.timeout(120)
 def test_after_a_ctrl_c_exit_says_at_once_what_is_left_and_a_second_leaves_quietly():
     child = start_slow_taps(then="""

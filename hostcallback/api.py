@@ -184,8 +184,9 @@ def stop_outfeed_receiver(*, timeout: float | None = None) -> None:
     """Delivers every pending tap, then stops the receiver threads for good.
 
     Afterwards tracing a tap raises ReceiverStoppedError and running an already compiled
-    computation with taps fails with an error that says the receiver was stopped. ``timeout``
-    bounds the whole stop (delivering and joining the threads), in seconds.
+    computation with taps fails with an error that says the receiver was stopped. A stop before
+    any receiver started does nothing, as legacy host_callback's did: a later tap starts them.
+    ``timeout`` bounds the whole stop (delivering and joining the threads), in seconds.
     """
     lifecycle.stop(timeout=timeout)
 

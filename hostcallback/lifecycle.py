@@ -175,17 +175,7 @@ class Lifecycle:
     def barrier_wait(self, logging_name: str | None = None, timeout: float | None = None,
                      raise_errors: bool = True, notice_after: float | None = None,
                      follow_long: bool = False) -> None:
-        if self._pool.is_receiver_thread():
-            raise RuntimeError(
-                "barrier_wait() was called from inside a tap consumer; it would wait for itself. "
-                "Call it from the code that runs the computation instead.")
-        if jx.is_tracing():
-            raise RuntimeError(
-                "barrier_wait() was called while tracing (inside jit, vmap, grad, ...); it waits "
-                "on the host for taps and cannot be part of a computation. Call it after the "
-                "computation, outside any transformation.")
-        if self._pool.forked:  # what the parent left queued and failed is the parent's
-            raise ReceiverStoppedError(FORKED)
+        self._refuse_caller("barrier_wait()")
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._pool.started:
             self._pool.raise_if_dead()
@@ -205,6 +195,21 @@ class Lifecycle:
         self._pool.failures.log.flush(force=False)
         if raise_errors:
             self._pool.failures.raise_pending()
+
+    def _refuse_caller(self, what: str) -> None:
+        """Raises where a wait for the taps cannot be made: in a consumer, while tracing, in a
+        fork()ed child."""
+        if self._pool.is_receiver_thread():
+            raise RuntimeError(
+                f"{what} was called from inside a tap consumer; it would wait for itself. "
+                "Call it from the code that runs the computation instead.")
+        if jx.is_tracing():
+            raise RuntimeError(
+                f"{what} was called while tracing (inside jit, vmap, grad, ...); it waits "
+                "on the host for taps and cannot be part of a computation. Call it after the "
+                "computation, outside any transformation.")
+        if self._pool.forked:  # what the parent left queued and failed is the parent's
+            raise ReceiverStoppedError(FORKED)
 
     def add_flush_hook(self, owner: Any) -> None:
         """Calls ``owner.flush()`` after every barrier and at exit, for as long as owner lives
@@ -234,12 +239,23 @@ class Lifecycle:
         there, past any deadline), is ready only after them. Where a computation waits for the
         host (a busy consumer), a device may hold as many computations in flight as XLA's client
         takes, and a probe dispatched to it would wait for a free one, past the deadline: with a
-        deadline, such a device gets none (the waiting computation has begun, and the barrier
-        follows it and those that begin after it)."""
+        deadline, the probe waits until the device no longer waits for the host, and at the
+        deadline the barrier times out."""
         if not self._probes:
             self._probes = _make_probes(self._pool.platform_groups())
-        outs = [probe(argument) for probe, argument in self._probes
-                if deadline is None or not self._pool.waits_for_host(_device_of(argument))]
+        outs = []
+        for probe, argument in self._probes:
+            if deadline is not None:
+                while self._pool.waits_for_host(_device_of(argument)):
+                    if time.monotonic() >= deadline:
+                        raise TimeoutError(
+                            f"barrier_wait timed out after {timeout} s: a computation on "
+                            f"{_device_of(argument)} still waits for the host (a consumer or "
+                            "call function still runs)")
+                    if notice.due():
+                        notice.say()
+                    time.sleep(_READY_POLL_SECONDS)
+            outs.append(probe(argument))
         _wait_until_ready(outs, deadline, timeout, notice)
 
     def _wait_for_markers(self, logging_name: str | None, timeout: float | None,
@@ -347,6 +363,7 @@ class Lifecycle:
         if not self._pool.started:
             self._pool.mark_stopped()
             return 0
+        self._refuse_caller("stop_outfeed_receiver()")
         deadline = None if timeout is None else time.monotonic() + timeout
         self._stop_gave_up = False
         try:
@@ -402,8 +419,10 @@ class Lifecycle:
         if _ended_by_ctrl_c() or 0 <= outfeed.seconds_since_interrupt() < _RECENT_CTRL_C_SECONDS:
             notice_after = 0.0
             self._pool.presumed_failed_s = _PRESUMED_FAILED_AFTER_CTRL_C
+        if _ended_by_ctrl_c():
             # Computations of calls end at their next call, as on the main thread a Ctrl-C ends
-            # them (XLA's worker threads, which run pmap and sharded parts, never see it).
+            # them (XLA's worker threads, which run pmap and sharded parts, never see it). Not
+            # after a Ctrl-C the program handled: its calls are wanted.
             outfeed.interrupt_calls()
 
         try:

@@ -47,13 +47,17 @@ bool RunningComputations::IsRunning(uint64_t id) {
   return running_.count(id) > 0;
 }
 
-uint64_t RunningComputations::OfRun(int64_t run_id) {
+uint64_t RunningComputations::OfRun(int64_t run_id, bool* unsure) {
+  if (unsure != nullptr) *unsure = run_id == kUnknownRun;
   if (run_id == kUnknownRun) return kNoComputation;
   std::lock_guard<std::mutex> lock(mu_);
   uint64_t found = kNoComputation;
   for (const auto& [id, running] : running_) {
     if (running.run_id != run_id) continue;
-    if (found != kNoComputation) return kNoComputation;
+    if (found != kNoComputation) {
+      if (unsure != nullptr) *unsure = true;
+      return kNoComputation;
+    }
     found = id;
   }
   return found;
@@ -119,11 +123,13 @@ void EndFailedOnThisThread() {
 }
 
 void EndFailedRun(RunningComputations* computations, int64_t run_id) {
-  const uint64_t id = computations == nullptr ? kNoComputation : computations->OfRun(run_id);
-  if (id == kNoComputation) {
-    EndFailedOnThisThread();
-  } else {
+  bool unsure = true;
+  const uint64_t id =
+      computations == nullptr ? kNoComputation : computations->OfRun(run_id, &unsure);
+  if (id != kNoComputation) {
     computations->End(static_cast<uint32_t>(id));
+  } else if (unsure) {
+    EndFailedOnThisThread();
   }
 }
 

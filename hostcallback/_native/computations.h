@@ -38,8 +38,9 @@ class RunningComputations {
   uint64_t CurrentOnThisThread();
   bool IsRunning(uint64_t id);
   // The running computation of XLA's execution run_id, whichever thread XLA runs its ops on;
-  // kNoComputation where none or several (an id XLA gave more than one execution) have it.
-  uint64_t OfRun(int64_t run_id);
+  // kNoComputation where none has it (none began: delivery="async"; or it ended already) and,
+  // with *unsure set, where the id cannot tell (unknown, or several have it).
+  uint64_t OfRun(int64_t run_id, bool* unsure = nullptr);
   // Ends the running computation whose id has these low 32 bits (what a computation carries);
   // returns the reason a failing tap of it left (FailRunning), or "".
   std::string End(uint32_t id_low_bits);
@@ -69,8 +70,8 @@ class RunningComputations {
 void EndFailedOnThisThread();
 
 // A handler failed the computation of XLA's execution run_id among `computations` (a device's):
-// it ends now. Where that names none (computations null, run_id unknown or shared), as
-// EndFailedOnThisThread: XLA may run a handler on another of its threads than the begin.
+// it ends now; none ends where no running one has that id. Where the id cannot tell
+// (computations null, run_id unknown or shared), as EndFailedOnThisThread.
 void EndFailedRun(RunningComputations* computations, int64_t run_id);
 
 }  // namespace hostcallback

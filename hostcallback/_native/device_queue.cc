@@ -60,9 +60,11 @@ int64_t DeviceQueue::Join(std::unique_lock<std::mutex>& lock, Record& record, bo
     if (expects_response) g_responses.Forget({this, sequence});
     throw;
   }
-  // The computation that made the record: its execution's, else the one this thread began.
-  uint64_t computation = computations.OfRun(record.run_id);
-  if (computation == kNoComputation) computation = computations.CurrentOnThisThread();
+  // The computation that made the record: its execution's, else, where the execution cannot
+  // tell (a record from Python), the one this thread began.
+  bool unsure = true;
+  uint64_t computation = computations.OfRun(record.run_id, &unsure);
+  if (unsure) computation = computations.CurrentOnThisThread();
   origins_[sequence % kOrigins] = Origin{sequence, computation};
   next_sequence_ += 1;
   if (!expects_response && !IsBarrierMarker(record)) taps_below_ = next_sequence_;

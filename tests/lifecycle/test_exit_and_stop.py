@@ -81,7 +81,8 @@ def test_a_record_that_joins_as_the_receivers_stop_is_delivered():
         after_empty_poll.clear()
         after_empty_poll.wait(5)
         tapped(1)
-        time.sleep(0.01)
+        while hcb.queue_stats()[jax.devices()[0]]["records_enqueued"] < 2:
+            time.sleep(0.001)  # it joined the queue
         left = receiver.receivers.close(time.monotonic() + 5)  # what stop does after its barrier
         print(left, seen)
         """, timeout=120)
@@ -124,6 +125,26 @@ def test_a_stop_whose_barrier_fails_still_stops_and_says_why():
             print("stopped")
         """, timeout=120)
     assert result.stdout.split("\n")[:2] == ["stop raised: no markers today", "stopped"], (
+        result.stdout + result.stderr)
+
+
+def test_a_stop_inside_a_consumer_is_a_clear_error_and_stops_nothing():
+    result = run_python("""
+        import jax
+        import hostcallback as hcb
+        def stops(arg, transforms):
+            hcb.stop_outfeed_receiver()
+        jax.jit(lambda x: hcb.id_tap(stops, x))(1.0)
+        try:
+            hcb.barrier_wait()
+        except hcb.CallbackException as error:
+            print("raised:", "inside a tap consumer" in str(error))
+        seen = []
+        jax.jit(lambda x: hcb.id_tap(lambda a, t: seen.append(float(a)), x))(2.0)
+        hcb.barrier_wait()
+        print("still delivering:", seen)
+        """, timeout=120)
+    assert result.stdout.split("\n")[:2] == ["raised: True", "still delivering: [2.0]"], (
         result.stdout + result.stderr)
 
 
@@ -234,15 +255,16 @@ signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive ru
 import jax
 import jax.numpy as jnp
 import hostcallback as hcb
-def body(c, i):
+def body(i, c):
     big = jnp.ones((300, 300)) * c  # a few milliseconds a step: a minute in all
     for _ in range(2):
         big = jnp.tanh(big @ big / 300)
     hcb.id_tap(lambda v, _: None, big.sum())
-    return c + 1e-6 * big.sum(), big.sum()
-loop = jax.jit(lambda c: jax.lax.scan(body, c, jnp.arange(20000))[0])
+    return c + 1e-6 * big.sum()
+loop = jax.jit(lambda c, steps: jax.lax.fori_loop(0, steps, body, c))
+loop(jnp.float32(0.01), 1).block_until_ready()  # compiled
 print("running", file=sys.stderr, flush=True)
-print("result", loop(jnp.float32(0.01)))  # the user presses Ctrl-C here, and again at exit
+print("result", loop(jnp.float32(0.01), 20000))  # the user presses Ctrl-C here, and at exit
 """
 
 
@@ -284,9 +306,10 @@ def body(c, i):
     r = hcb.call(lambda v: np.float32(v) * 0.5, big.sum(),
                  result_shape=jax.ShapeDtypeStruct((), jnp.float32))
     return c + 1e-6 * r, r
-loop = jax.pmap(lambda c: jax.lax.scan(body, c, jnp.arange(100000))[0])
+start = jnp.full((4,), 0.01)
+loop = jax.pmap(lambda c: jax.lax.scan(body, c, jnp.arange(100000))[0]).lower(start).compile()
 print("running", file=sys.stderr, flush=True)
-print("result", loop(jnp.full((4,), 0.01)))  # the user presses Ctrl-C here
+print("result", loop(start))  # the user presses Ctrl-C here
 """
 
 

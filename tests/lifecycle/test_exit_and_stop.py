@@ -223,13 +223,17 @@ jax.jit(lambda x: jax.lax.fori_loop(0, 40, lambda i, c: hcb.id_tap(slow, i), x))
 EXIT_NOTICE = "before exit; press Ctrl-C to leave without them"
 
 
-def start_slow_taps(then: str = "") -> subprocess.Popen:
-    """A program that dispatches 40 taps of 0.5 s each on one device, runs ``then`` and ends;
-    its stderr is a pipe."""
+def start_program(code: str, devices: int = 1) -> subprocess.Popen:
+    """Starts ``code`` in a fresh interpreter on ``devices`` CPU devices; its stderr is a pipe."""
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    return subprocess.Popen([sys.executable, "-c", HALF_SECOND_TAPS + then],
-                            stderr=subprocess.PIPE, text=True, env=env)
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def start_slow_taps(then: str = "") -> subprocess.Popen:
+    """A program that dispatches 40 taps of 0.5 s each on one device, runs ``then`` and ends."""
+    return start_program(HALF_SECOND_TAPS + then)
 
 
 @pytest.mark.timeout(120)
@@ -272,10 +276,7 @@ print("result", loop(jnp.float32(0.01), 20000))  # the user presses Ctrl-C here,
 def test_a_second_ctrl_c_at_exit_stops_a_long_loop_of_taps_at_once():
     """The second Ctrl-C leaves without the loop's taps, and the loop stops at its next tap:
     XLA would run it to its end (minutes) while the interpreter finalizes."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    child = subprocess.Popen([sys.executable, "-c", LONG_LOOP_OF_TAPS], stderr=subprocess.PIPE,
-                             text=True, env=env)
+    child = start_program(LONG_LOOP_OF_TAPS)
     lines = []
     for line in child.stderr:
         lines.append(line)
@@ -317,10 +318,7 @@ print("result", loop(start))  # the user presses Ctrl-C here
 def test_a_ctrl_c_ends_a_loop_of_calls_under_pmap_at_once():
     """pmap runs each device's part on one of XLA's threads, which never see Python's signals:
     exit after the Ctrl-C fails their calls, and so ends the loop, at once."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    child = subprocess.Popen([sys.executable, "-c", CALLS_UNDER_PMAP], stderr=subprocess.PIPE,
-                             text=True, env=env)
+    child = start_program(CALLS_UNDER_PMAP, devices=4)
     lines = []
     for line in child.stderr:
         lines.append(line)

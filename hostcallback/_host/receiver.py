@@ -608,14 +608,16 @@ class ReceiverPool:
         return time.monotonic() - since >= self.presumed_failed_s
 
     def waits_for_host(self, device: Any) -> bool:
-        """Whether a computation on ``device`` waits for the host now: a tap for room in the full
-        queue, a call for its answer, a computation's end for its taps. The computations
-        dispatched after it stay in flight meanwhile, as many as XLA's client takes."""
+        """Whether a computation on ``device`` waits for its receiver now: a tap for room in the
+        full queue, a computation's end for its taps (a busy consumer). The computations
+        dispatched after it stay in flight meanwhile, as many as XLA's client takes. (A call
+        waiting for its answer is not counted: a loop of calls on another thread waits so almost
+        all the time, and a barrier must not wait for its end.)"""
         key = queue_key(device)
         if key not in self._devices:
             return False
         stats = outfeed.stats(key[1], platform=key[0])
-        return stats["producers_waiting"] + stats["calls_waiting"] + stats["fences_waiting"] > 0
+        return stats["producers_waiting"] + stats["fences_waiting"] > 0
 
     def platform_groups(self) -> dict[str, list]:
         groups: dict[str, list] = {}

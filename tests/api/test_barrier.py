@@ -116,6 +116,7 @@ def test_barrier_times_out_instead_of_hanging(transport):
     dispatcher.join(30)
 
 
+@pytest.mark.needs_internals("the begin and fence that show a device waiting for its receiver")
 def test_a_barriers_timeout_holds_while_steps_pile_up_behind_a_busy_consumer(transport):
     """Another thread's steps wait behind one held by a busy consumer, until XLA's client takes
     no more in flight on the device: the barrier's timeout still holds (it sends nothing there

@@ -246,13 +246,13 @@ class Lifecycle:
             self._probes = _make_probes(self._pool.platform_groups())
         outs = []
         for probe, argument in self._probes:
+            device = _device_of(argument)
             if deadline is not None and not jx.PORTABLE:
-                while self._pool.waits_for_host(_device_of(argument)):
+                while self._pool.waits_for_receiver(device):
                     if time.monotonic() >= deadline:
                         raise TimeoutError(
                             f"barrier_wait timed out after {timeout} s: a computation on "
-                            f"{_device_of(argument)} still waits for the host (a consumer or "
-                            "call function still runs)")
+                            f"{device} still waits for its receiver (a consumer still runs)")
                     if notice.due():
                         notice.say()
                     time.sleep(_READY_POLL_SECONDS)

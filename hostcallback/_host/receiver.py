@@ -607,7 +607,7 @@ class ReceiverPool:
             return False
         return time.monotonic() - since >= self.presumed_failed_s
 
-    def waits_for_host(self, device: Any) -> bool:
+    def waits_for_receiver(self, device: Any) -> bool:
         """Whether a computation on ``device`` waits for its receiver now: a tap for room in the
         full queue, a computation's end for its taps (a busy consumer). The computations
         dispatched after it stay in flight meanwhile, as many as XLA's client takes. (A call

@@ -231,6 +231,18 @@ def start_program(code: str, devices: int = 1) -> subprocess.Popen:
                             env=env)
 
 
+def interrupt_once_running(child: subprocess.Popen, lines: list) -> float:
+    """Reads the child's stderr into ``lines`` until it says "running", then presses Ctrl-C a
+    second later; returns when (monotonic)."""
+    for line in child.stderr:
+        lines.append(line)
+        if line == "running\n":
+            break
+    time.sleep(1.0)
+    child.send_signal(signal.SIGINT)
+    return time.monotonic()
+
+
 def start_slow_taps(then: str = "") -> subprocess.Popen:
     """A program that dispatches 40 taps of 0.5 s each on one device, runs ``then`` and ends."""
     return start_program(HALF_SECOND_TAPS + then)
@@ -278,11 +290,9 @@ def test_a_second_ctrl_c_at_exit_stops_a_long_loop_of_taps_at_once():
     XLA would run it to its end (minutes) while the interpreter finalizes."""
     child = start_program(LONG_LOOP_OF_TAPS)
     lines = []
+    interrupt_once_running(child, lines)
     for line in child.stderr:
         lines.append(line)
-        if line == "running\n":
-            time.sleep(1.0)
-            child.send_signal(signal.SIGINT)
         if EXIT_NOTICE in line:
             child.send_signal(signal.SIGINT)
             left = time.monotonic()
@@ -320,13 +330,7 @@ def test_a_ctrl_c_ends_a_loop_of_calls_under_pmap_at_once():
     exit after the Ctrl-C fails their calls, and so ends the loop, at once."""
     child = start_program(CALLS_UNDER_PMAP, devices=4)
     lines = []
-    for line in child.stderr:
-        lines.append(line)
-        if line == "running\n":
-            time.sleep(1.0)
-            child.send_signal(signal.SIGINT)
-            interrupted = time.monotonic()
-            break
+    interrupted = interrupt_once_running(child, lines)
     rest = child.stderr.read()
     assert child.wait(timeout=60) == -signal.SIGINT, "".join(lines) + rest
     assert time.monotonic() - interrupted < 10, rest

@@ -22,10 +22,12 @@ import collections
 import fnmatch
 import os
 import sys
+import time
 from collections.abc import Iterable, Iterator
 
 from hostcallback.addons import format_metadata, format_value
 
+from . import storage
 from .cli_messages import PROG, complain
 from .collect_command import add_collect_arguments, collect_command
 from .plotting import plot
@@ -78,6 +80,11 @@ def tail(paths: str | list[str], follow: bool, poll_seconds: float = 0.2, out=No
     path = streams[0]
     out = out if out is not None else sys.stdout  # the one in force now, not at import
     printed = 0
+    if follow and not storage.is_url(path) and not os.path.exists(path):
+        # As `tail -F` does: a follower started before the run that writes the stream waits.
+        complain("tail", f"waiting for {path} to be written (Ctrl-C to stop)")
+        while not os.path.exists(path):
+            time.sleep(poll_seconds)
 
     def show(record: TapRecord) -> None:
         nonlocal printed

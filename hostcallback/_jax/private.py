@@ -39,6 +39,9 @@ from jax._src.interpreters import partial_eval as pe
 # The computation-wide lowering entry we wrap (patches.py), and nothing else from there.
 from jax._src.interpreters import pxla
 from jax._src.lib import xla_client as _xla_client  # GSPMD's OpSharding
+from jax.extend.mlir.dialects import sdy as _sdy
+
+_PropagationBarrier = getattr(_sdy, "PropagationBarrierOp", None)  # not in every jaxlib
 
 abstract_token = _core.abstract_token
 no_effects = _core.no_effects
@@ -103,6 +106,16 @@ PYTHON_CALLBACK_TARGETS = {"cpu": "xla_ffi_python_cpu_callback",
 
 def shardy_enabled() -> bool:
     return bool(_config.use_shardy_partitioner.value)
+
+
+def propagating_forward_only(value):
+    """``value``, through an op that lets Shardy carry its sharding on to its user but not back
+    from it: a region that wants the whole value then gathers a copy and leaves the value's own
+    sharding, and what else uses it, as they were. GSPMD (JAX's deprecated partitioner) has no
+    such op: there the region's sharding still flows back."""
+    if not shardy_enabled() or _PropagationBarrier is None:
+        return value
+    return _PropagationBarrier(value, _sdy.PropagationDirection.FORWARD).result
 
 
 def manual_sharding(result_ranks: list[int]):
@@ -186,6 +199,7 @@ __all__ = [
     "effects", "emit_python_callback", "eval_jaxpr", "ir_consts", "jaxprs_in_params",
     "lower_jaxpr", "lowering_for_export", "manual_sharding", "new_jaxpr_eqn", "new_source_info",
     "no_effects",
-    "outside_abstract_mesh", "pe", "pxla", "run_synchronously", "set_sharding", "shardy_enabled",
+    "outside_abstract_mesh", "pe", "propagating_forward_only", "pxla", "run_synchronously",
+    "set_sharding", "shardy_enabled",
     "simplified_jaxpr_constants", "split_list", "trace_state_clean", "without_context_mesh",
 ]

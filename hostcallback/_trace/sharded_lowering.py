@@ -91,11 +91,14 @@ def lower_on_one_device(ctx, args, outside_call_p, *, device_index, **params):
 
     # The avals may carry the outer computation's sharding; inside the region they are whole.
     is_call = params["result_avals"] is not None
+    region_args = args if is_call else [jx.propagating_forward_only(a) for a in args]
     outs, tokens = regions.on_every_device(
-        ctx, ctx.tokens_in, tap_on_every_device, args, _plain(ctx.avals_in),
+        ctx, ctx.tokens_in, tap_on_every_device, region_args, _plain(ctx.avals_in),
         _plain(ctx.avals_out) + ([_FAILURE_FLAG] if is_call else []))
     ctx.set_tokens_out(tokens)
-    return outs[:-1] if is_call else outs
+    # A tap hands on its operands as they came, keeping their sharding: the region's results
+    # are whole on every device, and would make what follows the tap replicated.
+    return outs[:-1] if is_call else list(args)
 
 
 _FAILURE_FLAG = jx.ShapedArray((), np.uint32)  # the last result of a shared call (native.py)

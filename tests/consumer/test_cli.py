@@ -99,6 +99,28 @@ def test_tail_n_with_follow_prints_the_last_records_then_new_ones(tmp_path):
     assert first == ["name: grow step: 4", "4"] and then == ["name: grow step: 5", "5"]
 
 
+@pytest.mark.timeout(60)
+def test_tail_follow_of_a_stream_not_yet_written_waits_for_it(tmp_path):
+    from hostcallback.consumer import FileSink
+
+    path = tmp_path / "later.hcbs"
+    follower = subprocess.Popen([sys.executable, "-m", "hostcallback.consumer", "tail", "-f",
+                                 str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        assert "waiting for" in follower.stderr.readline()
+        sink = FileSink(path)
+        try:
+            _emit_step(sink, 0)
+            lines = [follower.stdout.readline().strip() for _ in range(2)]
+        finally:
+            sink.close()
+    finally:
+        follower.terminate()
+        follower.wait(10)
+    assert lines == ["name: grow step: 0", "0"]
+
+
 def test_stats_reports_per_source_after_the_merged_table(two_devices):
     result = cli("stats", str(two_devices))
     assert result.returncode == 0, result.stderr

@@ -212,6 +212,30 @@ def test_partitioned_tap_delivers_each_shard_from_its_own_device(transport, coll
         np.testing.assert_array_equal(arg, whole[where])
 
 
+@pytest.mark.needs_internals("taps in a jit over a sharded mesh")
+@pytest.mark.parametrize("idiom", AUTOMATIC_IDIOMS, ids=IDS)
+def test_a_whole_value_tap_leaves_the_sharding_of_what_follows_as_it_was(transport, collector,
+                                                                          idiom):
+    untapped, _ = idiom.run(lambda x: x * 2 + 1)
+    out, _ = idiom.run(lambda x: hcb.id_tap(collector, x * 2) + 1)
+    hcb.barrier_wait()
+    assert out.sharding.is_equivalent_to(untapped.sharding, out.ndim), (
+        f"{out.sharding} after the tap, {untapped.sharding} without it")
+    assert len(collector.calls) == 1
+
+
+@pytest.mark.needs_internals("partitioned=True")
+def test_a_partitioned_tap_of_what_a_whole_value_tap_returned_gets_shards(transport, collector):
+    mesh = _mesh()
+    with jax.set_mesh(mesh):
+        x = jax.device_put(VALUE, NamedSharding(mesh, P("d")))
+        jax.jit(lambda x: hcb.id_tap(collector, hcb.id_tap(collector, x * 2), partitioned=True)
+                )(x)
+    hcb.barrier_wait()
+    shapes = sorted(np.shape(arg) for arg, *_ in collector.calls)
+    assert shapes == [(4,)] * 4 + [(16,)], shapes
+
+
 @pytest.mark.needs_internals("partitioned=True")
 def test_partitioned_tap_gathers_nothing(transport, collector):
     mesh = _mesh()

@@ -17,6 +17,7 @@ uses nothing of hostcallback but its public API and ``hostcallback.addons``.
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Iterable
@@ -199,10 +200,32 @@ class SinkTap(EqualByKey):
         return fields
 
 
-def tap_to(sinks: Iterable[Sink], arg: Any, *, name: str, metadata: dict[str, Any] | None = None,
-           ordered: bool | None = None, device_index: int = 0, partitioned: bool = False,
-           replays: str = "deliver", callback_flavor: Any = None, **unknown: Any) -> Any:
-    """``id_tap`` that sends ``arg`` to ``sinks`` as a TapRecord named ``name``; returns ``arg``.
+def _checked_sinks(sinks: Any) -> tuple[Sink, ...]:
+    """``sinks`` as a tuple, or a TypeError that says what was given: found when the tap is
+    traced, not by the receiver at the first record."""
+    if hasattr(sinks, "emit"):
+        return (sinks,)
+    if isinstance(sinks, (str, bytes, os.PathLike)):
+        raise TypeError(f"tap_to() takes sinks, not a path ({sinks!r}): "
+                        f"tap_to([FileSink({sinks!r})], x, name=...)")
+    try:
+        found = tuple(sinks)
+    except TypeError:
+        raise TypeError(f"tap_to() takes a list of sinks (objects with an emit method); got "
+                        f"{type(sinks).__name__}") from None
+    for sink in found:
+        if not hasattr(sink, "emit"):
+            raise TypeError(f"tap_to() takes sinks (objects with an emit method, such as "
+                            f"FileSink or StatsSink); got {type(sink).__name__} {sink!r:.60}")
+    return found
+
+
+def tap_to(sinks: Iterable[Sink] | Sink, arg: Any, *, name: str,
+           metadata: dict[str, Any] | None = None, ordered: bool | None = None,
+           device_index: int = 0, partitioned: bool = False, replays: str = "deliver",
+           callback_flavor: Any = None, **unknown: Any) -> Any:
+    """``id_tap`` that sends ``arg`` to ``sinks`` (a list of sinks, or one sink) as a TapRecord
+    named ``name``; returns ``arg``.
 
     A dict ``arg`` with a ``"step"`` entry gives the record its step; ``metadata`` is stored with
     every record. The other keywords are ``id_tap``'s (``partitioned=True``: a record per shard
@@ -214,6 +237,10 @@ def tap_to(sinks: Iterable[Sink], arg: Any, *, name: str, metadata: dict[str, An
             "id_tap's options (ordered, device_index, partitioned, replays, callback_flavor) by "
             "name, and metadata for the records as metadata={...}, e.g. "
             f"tap_to(sinks, x, name={name!r}, metadata={{{next(iter(sorted(unknown)))!r}: ...}})")
+    sinks = _checked_sinks(sinks)
+    if not isinstance(name, str):
+        raise TypeError(f"tap_to() takes the records' name as a str, not {type(name).__name__}: "
+                        "tap_to(sinks, x, name='loss')")
     return hostcallback.id_tap(SinkTap(sinks, name, **(metadata or {})), arg, ordered=ordered,
                                device_index=device_index, partitioned=partitioned,
                                replays=replays, callback_flavor=callback_flavor)

@@ -319,3 +319,22 @@ def test_tap_to_takes_id_tap_options_and_refuses_unknown_keywords(tmp_path, tran
     assert all(r.metadata == {"kind": "p"} for r in records)
     with pytest.raises(TypeError, match="partitoned.*metadata=\\{'partitoned': ...\\}"):
         tap_to([sink], 1.0, name="typo", partitoned=True)
+
+
+@pytest.mark.parametrize(("sinks", "name", "message"), [
+    ("runs/loss.hcbs", "loss", "not a path .*FileSink\\('runs/loss.hcbs'\\)"),
+    ([print], "loss", "takes sinks .*got builtin_function_or_method"),
+    (3, "loss", "a list of sinks .*got int"),
+    ([], 7, "name as a str, not int"),
+], ids=["a path", "a function", "a number", "a name that is not a str"])
+def test_tap_to_refuses_what_is_not_a_sink_when_traced(sinks, name, message):
+    with pytest.raises(TypeError, match=message):
+        jax.jit(lambda x: tap_to(sinks, x, name=name)).lower(1.0)
+
+
+def test_tap_to_takes_one_sink_as_a_list_of_one(tmp_path):
+    sink = FileSink(tmp_path / "one.hcbs")
+    jax.jit(lambda x: tap_to(sink, x, name="one"))(1.0)
+    hcb.barrier_wait()
+    sink.close()
+    assert [r.value for r in read_records(tmp_path / "one.hcbs")] == [1.0]

@@ -38,7 +38,7 @@ def _leaf_to_array(path, leaf):
     where = tree_util.keystr(path) or "the argument"
     if not isinstance(leaf, _ARRAY_TYPES):
         raise TypeError(
-            f"hostcallback can only tap arrays and numbers, but {where} is a "
+            f"hostcallback can only tap arrays and numbers, but {where} is of type "
             f"{type(leaf).__name__} ({leaf!r:.60}). Pass it through functools.partial to the tap "
             "function, or leave it out of the tapped value.")
     # device_put, not jnp.asarray: for numpy values and Python numbers outside a trace,
@@ -146,8 +146,8 @@ def result_spec(result_shape) -> tuple[tree_util.PyTreeDef, tuple]:
             shape, dtype = (), np.asarray(leaf).dtype
         else:
             raise ValueError(
-                f"{where} is a {type(leaf).__name__} ({leaf!r:.60}). result_shape should be a "
-                "pytree of values with structure matching the expected result of the callback "
+                f"{where} is of type {type(leaf).__name__} ({leaf!r:.60}). result_shape should "
+                "be a pytree of values with structure matching the expected result of the callback "
                 "function. The values must be either numeric scalars, or must have 'shape' and "
                 "'dtype' attributes (e.g. jax.ShapeDtypeStruct)")
         try:

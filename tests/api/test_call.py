@@ -169,8 +169,8 @@ def test_a_call_that_takes_too_long_fails_after_its_timeout(transport):
 
 
 @pytest.mark.parametrize("result_shape,message", [
-    ("float32", r"result_shape is a str"),
-    ({"a": object()}, r"result_shape\['a'\] is a object"),
+    ("float32", r"result_shape is of type str"),
+    ({"a": object()}, r"result_shape\['a'\] is of type object"),
     (jax.ShapeDtypeStruct((2,), jnp.int4), "int4 cannot be tapped"),
 ])
 def test_a_bad_result_shape_is_a_value_error_at_trace_time(result_shape, message):

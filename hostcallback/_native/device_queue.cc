@@ -88,9 +88,10 @@ int64_t DeviceQueue::Join(std::unique_lock<std::mutex>& lock, Record& record, bo
 
 int64_t DeviceQueue::WaitForRoom(std::unique_lock<std::mutex>& lock, uint64_t ticket,
                                  uint64_t bytes, double timeout_s,
-                                 const std::function<bool()>& watch) {
-  auto admitted = [&] { return closed_ || (ticket <= admitted_ && Fits(bytes)); };
-  if (admitted()) return 0;
+                                 const std::function<bool()>& watch, bool is_call) {
+  auto refused = [&] { return is_call && calls_interrupted_; };
+  auto admitted = [&] { return closed_ || refused() || (ticket <= admitted_ && Fits(bytes)); };
+  if (admitted() && !refused()) return 0;
   auto start = std::chrono::steady_clock::now();
   stats_.producers_waiting += 1;
   // A receiver that is gathering a batch must not keep a full queue waiting.
@@ -109,6 +110,8 @@ int64_t DeviceQueue::WaitForRoom(std::unique_lock<std::mutex>& lock, uint64_t ti
     }
     in = in || admitted();
   }
+  const bool interrupted_call = refused() && !closed_;
+  if (interrupted_call) in = false;
   stats_.producers_waiting -= 1;
   stats_.waits += 1;
   stats_.wait_ns +=
@@ -118,7 +121,8 @@ int64_t DeviceQueue::WaitForRoom(std::unique_lock<std::mutex>& lock, uint64_t ti
     GiveUp(ticket);
     lock.unlock();
     not_full_.notify_all();  // those behind this ticket may go in now
-    return watch_failed ? kWatchFailed : interrupted.empty() ? kTimedOut : kInterrupted;
+    if (watch_failed) return kWatchFailed;
+    return interrupted.empty() && !interrupted_call ? kTimedOut : kInterrupted;
   }
   // Admitted as the handler raised: the record goes in, and the next wait of this thread
   // looks at the signal again at once (Python's KeyboardInterrupt is pending again).
@@ -129,7 +133,9 @@ int64_t DeviceQueue::WaitForRoom(std::unique_lock<std::mutex>& lock, uint64_t ti
 int64_t DeviceQueue::Push(Record record, bool expects_response, bool urgent, double timeout_s) {
   std::unique_lock<std::mutex> lock(mu_);
   const uint64_t ticket = next_ticket_++;
-  if (int64_t waited = WaitForRoom(lock, ticket, BudgetBytes(record), timeout_s); waited < 0) {
+  if (int64_t waited =
+          WaitForRoom(lock, ticket, BudgetBytes(record), timeout_s, nullptr, expects_response);
+      waited < 0) {
     return waited;
   }
   if (closed_) return kClosed;
@@ -562,6 +568,11 @@ void SetQueueBudget(uint64_t max_queue_bytes) {
   g_max_queue_bytes.store(max_queue_bytes);
   std::lock_guard<std::mutex> lock(g_queues.mu);
   for (auto& [key, q] : g_queues.queues) q->Poke();
+}
+
+void InterruptCallsWaitingForRoom() {
+  std::lock_guard<std::mutex> lock(g_queues.mu);
+  for (auto& [key, q] : g_queues.queues) q->InterruptCalls();
 }
 
 // ---- joining a queue --------------------------------------------------------------------------

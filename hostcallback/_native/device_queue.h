@@ -205,6 +205,16 @@ class DeviceQueue {
     not_full_.notify_all();
   }
 
+  // Calls waiting for room, and those to come, stop waiting (kInterrupted): the program exits
+  // after a Ctrl-C and every call fails at once (Responses::InterruptCalls). Taps still wait.
+  void InterruptCalls() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      calls_interrupted_ = true;
+    }
+    not_full_.notify_all();
+  }
+
   QueueStats Stats();
 
   void ResetPeak();
@@ -228,8 +238,10 @@ class DeviceQueue {
   // Waits for the ticket's turn and room for `bytes` (or a closed queue): 0, or kTimedOut,
   // kInterrupted or kWatchFailed (see Reserve) with the ticket given up and the lock released
   // (called under mu_).
+  // A call (is_call) also stops waiting once calls are interrupted (InterruptCalls).
   int64_t WaitForRoom(std::unique_lock<std::mutex>& lock, uint64_t ticket, uint64_t bytes,
-                      double timeout_s, const std::function<bool()>& watch = nullptr);
+                      double timeout_s, const std::function<bool()>& watch = nullptr,
+                      bool is_call = false);
 
   // Puts an admitted record at the end of the queue, numbers it, calls on_joined (under mu_)
   // and wakes the receiver as needed; releases the lock. Throws bad_alloc with nothing joined.
@@ -263,6 +275,7 @@ class DeviceQueue {
   uint64_t next_ticket_ = 0, admitted_ = 0;
   std::set<uint64_t> given_up_;  // tickets behind admitted_ whose producer stopped waiting
   bool closed_ = false;
+  bool calls_interrupted_ = false;  // InterruptCalls
   // Drains waiting (for a first record, or gathering a batch: coalescing_ of them).
   size_t receivers_waiting_ = 0, coalescing_ = 0;
   size_t urgent_queued_ = 0, batch_records_ = 1, batch_bytes_ = 1;
@@ -292,6 +305,9 @@ void SetAllClosed(bool closed);
 
 // A new byte budget for every queue, taking effect at once for producers waiting for room.
 void SetQueueBudget(uint64_t max_queue_bytes);
+
+// DeviceQueue::InterruptCalls on every queue.
+void InterruptCallsWaitingForRoom();
 
 // Interpreter exit has given up waiting: a tap that finds its queue closed from now on is
 // dropped and counted (DroppedAtExit) instead of failing its computation, whose error JAX's own

@@ -103,16 +103,14 @@ void Responses::SetClosed(bool closed) {
 void Responses::InterruptCalls() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    calls_interrupted_ = true;
+    calls_interrupted_.store(true);
     changes_.Bump();
   }
   cv_.notify_all();
+  InterruptCallsWaitingForRoom();
 }
 
-bool Responses::CallsInterrupted() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return calls_interrupted_;
-}
+bool Responses::CallsInterrupted() const { return calls_interrupted_.load(); }
 
 void Responses::Fail(const DeviceQueue* queue, const std::string& reason) {
   {
@@ -155,6 +153,7 @@ std::string CallHost(DeviceQueue* queue, int device, uint64_t consumer_id, Array
   // One timeout for the whole call: waiting for room in the queue, then for the answer.
   const auto start = std::chrono::steady_clock::now();
   const int64_t pushed = Enqueue(queue, device, consumer_id, arrays, flags, timeout_s, pool);
+  if (pushed < 0 && g_responses.CallsInterrupted()) return Responses::kInterruptedMessage;
   if (pushed < 0) return WhyNotEnqueued(queue, pushed, timeout_s);
   double left = timeout_s;
   if (!WaitsForever(timeout_s)) {

@@ -3,6 +3,7 @@
 #ifndef HOSTCALLBACK_NATIVE_RESPONSES_H_
 #define HOSTCALLBACK_NATIVE_RESPONSES_H_
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -58,7 +59,7 @@ class Responses {
   // kInterruptedMessage, so that computations of calls end (those on XLA's worker threads, which
   // never see Python's signals, too), while taps are still delivered.
   void InterruptCalls();
-  bool CallsInterrupted();
+  bool CallsInterrupted() const;
   static constexpr char kInterruptedMessage[] =
       "hostcallback: the call was interrupted (Ctrl-C) as the program exits";
 
@@ -80,7 +81,7 @@ class Responses {
   std::map<Key, Entry> table_;
   std::map<const DeviceQueue*, std::string> failed_;
   bool closed_ = false;
-  bool calls_interrupted_ = false;  // InterruptCalls
+  std::atomic<bool> calls_interrupted_{false};  // InterruptCalls (set under mu_)
 };
 
 // Why a shared call failed where its reason is not in this process (it failed on a device of

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import hostcallback as hcb
-from helpers import TEST_PLATFORM, drain_one, fresh_queue, wait_until
+from helpers import TEST_PLATFORM, drain_one, fresh_queue, run_python, wait_until
 from hostcallback import config
 from hostcallback._native import outfeed
 from hostcallback._records import wire
@@ -148,6 +148,41 @@ def test_a_call_times_out_while_its_queue_stays_full_and_the_line_moves_on():
         behind.join(30)
     assert wire.decode_record(raw).arrays[0][0] == 7  # not stuck behind the call that gave up
     assert stats()["calls_waiting"] == 0 and stats()["producers_waiting"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_interrupting_calls_at_exit_ends_a_call_waiting_for_room_in_a_full_queue():
+    # In a process of its own: interrupting calls (exit after a Ctrl-C) is for good.
+    result = run_python("""
+        import sys, threading, time
+        import numpy as np
+        from hostcallback import config
+        from hostcallback._native import outfeed
+        from hostcallback._records import wire
+        failed = []
+
+        def call():
+            try:
+                outfeed.call_host(7, 5, [wire.as_leaf(np.int32(1))], 20.0, platform="test")
+            except RuntimeError as error:
+                failed.append((time.monotonic(), str(error)))
+
+        with config.override(max_queue_bytes=64 << 10):
+            outfeed.enqueue(7, 1, [wire.as_leaf(np.zeros(80 << 10, np.uint8))],  # full
+                            platform="test")
+            caller = threading.Thread(target=call, daemon=True)
+            caller.start()
+            while outfeed.stats(7, platform="test")["producers_waiting"] == 0:
+                time.sleep(0.01)
+            interrupted = time.monotonic()
+            outfeed.interrupt_calls()
+            caller.join(10)
+        print(f"{failed[0][0] - interrupted:.3f} {failed[0][1]}" if failed else "still waiting")
+        """, devices=1)
+    assert result.returncode == 0, result.stderr
+    seconds, message = result.stdout.strip().split(" ", 1)
+    assert "interrupted (Ctrl-C) as the program exits" in message
+    assert float(seconds) < 2.0
 
 
 def test_a_shared_calls_failure_is_kept_under_an_id_of_its_own_for_every_transport():

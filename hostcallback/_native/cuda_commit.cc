@@ -17,9 +17,9 @@ namespace {
 // A GPU tap lost because its queue closed between its launch and its copy.
 std::atomic<bool> g_said_lost_after_close{false};
 constexpr char kLostAfterClose[] =
-    "hostcallback: a GPU tap reached its device's queue after the receivers were stopped, and "
-    "was not delivered (stop_outfeed_receiver() waits for the taps dispatched before it; this "
-    "one was dispatched as it stopped)";
+    "hostcallback: a GPU tap reached its device's queue after the queue closed, and was not "
+    "delivered (a stop or exit waits for the taps dispatched before it; this one came as it "
+    "closed): ";
 
 // A committer that ran out of memory while it took an entry: the record may be lost.
 std::atomic<bool> g_said_committer_failed{false};
@@ -176,8 +176,12 @@ void CudaCommitter::Finish(const PendingRecord& pending, cuda::Result waited) {
   }
   if (joined < 0) {
     ReleaseRecord(pending.record);
-    if (!IsBarrierMarker(pending.record) && !DropAtExit()) {
-      SayOnce(g_said_lost_after_close, kLostAfterClose);
+    if (!IsBarrierMarker(pending.record) && !DropAtExit() && !g_said_lost_after_close.load()) {
+      try {  // why it closed: a stop, an exit, a Ctrl-C or the queue's failure
+        SayOnce(g_said_lost_after_close, (kLostAfterClose + queue->ClosedReason()).c_str());
+      } catch (...) {  // no memory for the words: say it without them
+        SayOnce(g_said_lost_after_close, kLostAfterClose);
+      }
     }
   }
 }

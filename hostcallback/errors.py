@@ -13,6 +13,15 @@ class CallbackException(Exception):
     """A tap consumer raised since the last barrier_wait; ``__cause__`` is the first exception."""
 
 
+class WaitTimedOut(TimeoutError):
+    """A wait for the taps (a barrier, a stop, exit) ran out of time; ``reason`` says what it
+    still waited for."""
+
+    def __init__(self, what: str, timeout: float | None, reason: str) -> None:
+        super().__init__(f"{what} timed out after {timeout} s: {reason}")
+        self.reason = reason
+
+
 class ReceiverStoppedError(RuntimeError):
     """The receivers were stopped (stop_outfeed_receiver(), or a fork): taps cannot be delivered
     any more."""

@@ -47,7 +47,7 @@ from hostcallback._native import outfeed
 from hostcallback._records import wire
 from hostcallback._records.registry import BARRIER_MARKER_ID
 from hostcallback._trace import binding, transport
-from hostcallback.errors import CallbackException, name_of
+from hostcallback.errors import CallbackException, WaitTimedOut, name_of
 
 logger = logging.getLogger("hostcallback")
 
@@ -250,9 +250,9 @@ class Lifecycle:
             if deadline is not None and not jx.PORTABLE:
                 while self._pool.waits_for_receiver(device):
                     if time.monotonic() >= deadline:
-                        raise TimeoutError(
-                            f"barrier_wait timed out after {timeout} s: a computation on "
-                            f"{device} still waits for its receiver (a consumer still runs)")
+                        raise WaitTimedOut(
+                            "barrier_wait", timeout, f"a computation on {device} still waits "
+                            "for its receiver (a consumer still runs)")
                     if notice.due():
                         notice.say()
                     time.sleep(_READY_POLL_SECONDS)
@@ -373,8 +373,12 @@ class Lifecycle:
             # and for the joins.
             self.barrier_wait(timeout=None if timeout is None else timeout * _BARRIER_SHARE,
                               raise_errors=False, notice_after=notice_after, follow_long=True)
-        except (TimeoutError, CallbackException) as error:
-            self._stop_gave_up = isinstance(error, TimeoutError)
+        except TimeoutError as error:  # (exit's own warning follows with the time it waited)
+            self._stop_gave_up = True
+            who = "exit" if self._pool.exiting else "stop_outfeed_receiver()"
+            logger.warning("hostcallback: %s stopped waiting: %s", who,
+                           getattr(error, "reason", error))
+        except CallbackException as error:
             logger.warning("hostcallback: %s", error)
         except Exception:
             # The barrier itself failed (dispatching its markers, say): the queues close all
@@ -511,8 +515,8 @@ def _wait_until_ready(arrays: list, deadline: float | None, timeout: float | Non
     pause = _READY_POLL_SECONDS
     while pending:  # polled, never block_until_ready(): a Ctrl-C must be able to end the wait
         if deadline is not None and time.monotonic() >= deadline:
-            raise TimeoutError(f"barrier_wait timed out after {timeout} s: {len(pending)} "
-                               "result(s) of computations dispatched before it are not ready")
+            raise WaitTimedOut("barrier_wait", timeout, f"{len(pending)} result(s) of "
+                               "computations dispatched before it are not ready")
         if notice.due():
             notice.say()
         time.sleep(pause)

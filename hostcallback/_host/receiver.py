@@ -36,6 +36,7 @@ from hostcallback._records.registry import ConsumerRegistry, registry
 from hostcallback.errors import (
     ReceiverStoppedError,
     UndecodableRecordError,
+    WaitTimedOut,
     describe_error,
     name_of,
     printable,
@@ -502,9 +503,9 @@ class ReceiverPool:
                         pending = {str(self._devices[k]):
                                    outfeed.stats(k[1], platform=k[0])["records_enqueued"]
                                    - self._delivered[k] for k in behind}
-                        raise TimeoutError(
-                            f"{what} timed out after {timeout} s; records still to be handled "
-                            f"per device: {pending}. A consumer may be slow or stuck.")
+                        raise WaitTimedOut(
+                            what, timeout, f"records still to be handled per device: "
+                            f"{pending}. A consumer may be slow or stuck.")
                     if notice is not None and notice.due():
                         self._lock.release()  # saying it reads the queues' stats
                         try:
@@ -574,9 +575,9 @@ class ReceiverPool:
             if deadline is not None and time.monotonic() >= deadline:
                 if not waiting:
                     return
-                raise TimeoutError(
-                    f"barrier_wait timed out after {timeout} s: tapped "
-                    f"computations still running on {[str(self._devices[k]) for k in waiting]}")
+                raise WaitTimedOut(
+                    "barrier_wait", timeout, "tapped computations still running on "
+                    f"{[str(self._devices[k]) for k in waiting]}")
             if notice is not None and notice.due():
                 notice.say()
             time.sleep(_COMPUTATIONS_POLL_SECONDS)

@@ -81,7 +81,11 @@ def tail(paths: str | list[str], follow: bool, poll_seconds: float = 0.2, out=No
     out = out if out is not None else sys.stdout  # the one in force now, not at import
     printed = 0
     if follow and not storage.is_url(path) and not os.path.exists(path):
-        # As `tail -F` does: a follower started before the run that writes the stream waits.
+        # As `tail -F` does: a follower started before the run that writes the stream waits,
+        # in a folder that is there (a mistyped one is an error, not a wait without end).
+        folder = os.path.dirname(path) or "."
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(2, "No such directory", folder)
         complain("tail", f"waiting for {path} to be written (Ctrl-C to stop)")
         while not os.path.exists(path):
             time.sleep(poll_seconds)

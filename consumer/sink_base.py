@@ -203,17 +203,20 @@ class SinkTap(EqualByKey):
 def _checked_sinks(sinks: Any) -> tuple[Sink, ...]:
     """``sinks`` as a tuple, or a TypeError that says what was given: found when the tap is
     traced, not by the receiver at the first record."""
-    if hasattr(sinks, "emit"):
-        return (sinks,)
     if isinstance(sinks, (str, bytes, os.PathLike)):
         raise TypeError(f"tap_to() takes sinks, not a path ({sinks!r}): "
                         f"tap_to([FileSink({sinks!r})], x, name=...)")
+    if hasattr(sinks, "emit") and not isinstance(sinks, type):
+        return (sinks,)
     try:
-        found = tuple(sinks)
+        found = (sinks,) if isinstance(sinks, type) else tuple(sinks)
     except TypeError:
         raise TypeError(f"tap_to() takes a list of sinks (objects with an emit method); got "
                         f"{type(sinks).__name__}") from None
     for sink in found:
+        if isinstance(sink, type):
+            raise TypeError(f"tap_to() takes sinks, not the class {sink.__name__}: make one, "
+                            f"as in tap_to([{sink.__name__}(...)], x, name=...)")
         if not hasattr(sink, "emit"):
             raise TypeError(f"tap_to() takes sinks (objects with an emit method, such as "
                             f"FileSink or StatsSink); got {type(sink).__name__} {sink!r:.60}")

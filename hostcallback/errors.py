@@ -19,7 +19,10 @@ class WaitTimedOut(TimeoutError):
 
     def __init__(self, what: str, timeout: float | None, reason: str) -> None:
         super().__init__(f"{what} timed out after {timeout} s: {reason}")
-        self.reason = reason
+        self.what, self.timeout, self.reason = what, timeout, reason
+
+    def __reduce__(self):  # pickled and copied with its own arguments, not the message
+        return type(self), (self.what, self.timeout, self.reason)
 
 
 class ReceiverStoppedError(RuntimeError):

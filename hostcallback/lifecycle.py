@@ -361,12 +361,13 @@ class Lifecycle:
         left. ``timeout`` bounds the whole stop (barrier and joins together), not each step;
         with ``notice_after``, a stop that has waited that long says on stderr what it waits
         for."""
+        self._stop_gave_up = False  # (an earlier stop's, which exit's stop must not report)
         if not self._pool.started:
             self._pool.mark_stopped()
             return 0
         self._refuse_caller("stop_outfeed_receiver()")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._stop_gave_up = False
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
         try:
             # The barrier gets most of the deadline; the rest is for the computations that
             # closing the queues wakes (their taps fail with "stopped", or at exit are dropped)
@@ -376,8 +377,8 @@ class Lifecycle:
         except TimeoutError as error:  # (exit's own warning follows with the time it waited)
             self._stop_gave_up = True
             who = "exit" if self._pool.exiting else "stop_outfeed_receiver()"
-            logger.warning("hostcallback: %s stopped waiting: %s", who,
-                           getattr(error, "reason", error))
+            logger.warning("hostcallback: %s stopped waiting after %.1f s: %s", who,
+                           time.monotonic() - started, getattr(error, "reason", error))
         except CallbackException as error:
             logger.warning("hostcallback: %s", error)
         except Exception:

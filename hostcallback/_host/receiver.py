@@ -183,11 +183,16 @@ class ReceiverPool:
             outfeed.set_max_queue_bytes(config.settings.max_queue_bytes)
             native_devices = _native_platform_devices()
             outfeed.set_cuda_device_ids(cuda_device_ids(native_devices))
-            for device in devices_to_receive(jax.local_devices(), native_devices):
-                key = queue_key(device)  # device.id is what XLA hands the FFI handler
-                self._devices[key] = device
-                self._markers[key] = set()
-                self._delivered[key] = 0
+            # device.id is what XLA hands the FFI handler. The tables are replaced whole, never
+            # grown in place: other threads read them without the lock (queue_stats(), a
+            # barrier that begins as the receivers start), and a dict that grows while they
+            # iterate over it raises.
+            devices = {queue_key(device): device
+                       for device in devices_to_receive(jax.local_devices(), native_devices)}
+            self._markers = {**self._markers, **{key: set() for key in devices}}
+            self._delivered = {**self._delivered, **dict.fromkeys(devices, 0)}
+            self._devices = {**self._devices, **devices}
+            for key, device in devices.items():
                 thread = threading.Thread(target=self._receive, args=(key,), daemon=True,
                                           name=f"hostcallback-receiver-{device.platform}"
                                                f"-{device.id}")
@@ -201,7 +206,7 @@ class ReceiverPool:
                         "went on tapping. Start them before it ends: trace the tapping code "
                         "once on the main thread (for example jax.jit(step).lower(...)), or "
                         "join the thread that taps before the script ends.") from error
-                self._threads[key] = thread
+                self._threads = {**self._threads, key: thread}
             self._all_started = True
             return True
 
@@ -629,7 +634,8 @@ class ReceiverPool:
     # ---- statistics ----
 
     def _known_devices(self) -> dict[QueueKey, Any]:
-        return self._devices or {queue_key(d): d for d in devices_to_receive(
+        devices = self._devices  # (replaced whole as the receivers start, never grown)
+        return devices or {queue_key(d): d for d in devices_to_receive(
             jax.local_devices(), _native_platform_devices())}
 
     def queue_stats(self) -> dict[Any, dict[str, Any]]:

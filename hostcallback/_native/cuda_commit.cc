@@ -19,7 +19,7 @@ std::atomic<bool> g_said_lost_after_close{false};
 constexpr char kLostAfterClose[] =
     "hostcallback: a GPU tap reached its device's queue after the queue closed, and was not "
     "delivered (a stop or exit waits for the taps dispatched before it; this one came as it "
-    "closed): ";
+    "closed)";
 
 // A committer that ran out of memory while it took an entry: the record may be lost.
 std::atomic<bool> g_said_committer_failed{false};
@@ -167,18 +167,23 @@ void CudaCommitter::Finish(const PendingRecord& pending, cuda::Result waited) {
     return;
   }
   int64_t joined = DeviceQueue::kClosed;
+  bool no_memory = false;
   try {
     joined = queue->Commit(pending.record, pending.reserved);
   } catch (...) {  // no memory for the queue's ring: fail the queue, loudly, not the record
     static const std::string kNoMemory =
         "hostcallback: out of host memory for a GPU tap's place in its queue";
     queue->Fail(kNoMemory);
+    no_memory = true;  // the queue's failure says so at the next barrier
   }
   if (joined < 0) {
     ReleaseRecord(pending.record);
-    if (!IsBarrierMarker(pending.record) && !DropAtExit() && !g_said_lost_after_close.load()) {
+    if (!no_memory && !IsBarrierMarker(pending.record) && !DropAtExit() &&
+        !g_said_lost_after_close.load()) {
       try {  // why it closed: a stop, an exit, a Ctrl-C or the queue's failure
-        SayOnce(g_said_lost_after_close, (kLostAfterClose + queue->ClosedReason()).c_str());
+        std::string why = queue->ClosedReason();
+        if (why.rfind("hostcallback: ", 0) == 0) why.erase(0, 14);
+        SayOnce(g_said_lost_after_close, (std::string(kLostAfterClose) + ": " + why).c_str());
       } catch (...) {  // no memory for the words: say it without them
         SayOnce(g_said_lost_after_close, kLostAfterClose);
       }

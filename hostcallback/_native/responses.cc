@@ -153,7 +153,9 @@ std::string CallHost(DeviceQueue* queue, int device, uint64_t consumer_id, Array
   // One timeout for the whole call: waiting for room in the queue, then for the answer.
   const auto start = std::chrono::steady_clock::now();
   const int64_t pushed = Enqueue(queue, device, consumer_id, arrays, flags, timeout_s, pool);
-  if (pushed < 0 && g_responses.CallsInterrupted()) return Responses::kInterruptedMessage;
+  if (pushed == DeviceQueue::kInterrupted && g_responses.CallsInterrupted()) {
+    return Responses::kInterruptedMessage;
+  }
   if (pushed < 0) return WhyNotEnqueued(queue, pushed, timeout_s);
   double left = timeout_s;
   if (!WaitsForever(timeout_s)) {

@@ -1,5 +1,6 @@
 """barrier_wait: everything dispatched before it is handled; consumer errors surface there."""
 
+import pickle
 import threading
 import time
 
@@ -109,11 +110,15 @@ def test_barrier_times_out_instead_of_hanging(transport):
     dispatcher = threading.Thread(target=lambda: jax.jit(lambda x: hcb.id_tap(stuck, x))(1.0))
     dispatcher.start()
     wait_until(lambda: any(s["fences_waiting"] for s in hcb.queue_stats().values()))
-    with pytest.raises(TimeoutError, match="timed out after 0.2 s"):
+    with pytest.raises(TimeoutError, match="timed out after 0.2 s") as timed_out:
         hcb.barrier_wait(timeout=0.2)
     release.set()
     hcb.barrier_wait(timeout=30)
     dispatcher.join(30)
+    # Its reason travels with it, as a process pool hands it back to its parent.
+    unpickled = pickle.loads(pickle.dumps(timed_out.value))
+    assert isinstance(unpickled, TimeoutError) and str(unpickled) == str(timed_out.value)
+    assert unpickled.reason == timed_out.value.reason
 
 
 @pytest.mark.needs_internals("the begin and fence that show a device waiting for its receiver")

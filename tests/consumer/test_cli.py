@@ -121,6 +121,12 @@ def test_tail_follow_of_a_stream_not_yet_written_waits_for_it(tmp_path):
     assert lines == ["name: grow step: 0", "0"]
 
 
+def test_tail_follow_in_a_folder_that_is_not_there_is_an_error(tmp_path):
+    result = cli("tail", "-f", str(tmp_path / "no-such-folder" / "run.hcbs"))
+    assert result.returncode == 1
+    assert "No such directory" in result.stderr and "no-such-folder" in result.stderr
+
+
 def test_stats_reports_per_source_after_the_merged_table(two_devices):
     result = cli("stats", str(two_devices))
     assert result.returncode == 0, result.stderr

@@ -325,8 +325,11 @@ def test_tap_to_takes_id_tap_options_and_refuses_unknown_keywords(tmp_path, tran
     ("runs/loss.hcbs", "loss", "not a path .*FileSink\\('runs/loss.hcbs'\\)"),
     ([print], "loss", "takes sinks .*got builtin_function_or_method"),
     (3, "loss", "a list of sinks .*got int"),
+    (FileSink, "loss", "not the class FileSink: make one"),
+    ([StatsSink], "loss", "not the class StatsSink: make one"),
     ([], 7, "name as a str, not int"),
-], ids=["a path", "a function", "a number", "a name that is not a str"])
+], ids=["a path", "a function", "a number", "a sink class", "a sink class in a list",
+        "a name that is not a str"])
 def test_tap_to_refuses_what_is_not_a_sink_when_traced(sinks, name, message):
     with pytest.raises(TypeError, match=message):
         jax.jit(lambda x: tap_to(sinks, x, name=name)).lower(1.0)

@@ -192,6 +192,29 @@ def test_barrier_after_stop_returns_at_once():
     assert result.stdout.strip() == "True", result.stderr
 
 
+def test_a_stop_that_timed_out_says_so_once_and_exit_after_it_reports_nothing_left():
+    result = run_python("""
+        import threading
+        import jax
+        import hostcallback as hcb
+        release = threading.Event()
+        step = threading.Thread(target=lambda: jax.jit(lambda x: hcb.id_tap(
+            lambda a, t: release.wait(30), x))(1.0))
+        step.start()
+        while not any(s["fences_waiting"] for s in hcb.queue_stats().values()):
+            pass
+        hcb.stop_outfeed_receiver(timeout=0.5)
+        release.set()
+        step.join(30)
+        print("done")
+        """, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "done"
+    assert re.search(r"stop_outfeed_receiver\(\) stopped waiting after 0\.[0-9] s: ",
+                     result.stderr), result.stderr
+    assert "not delivered before exit" not in result.stderr, result.stderr
+
+
 def test_exit_that_gives_up_counts_the_records_really_left():
     result = run_python("""
         import threading, time

@@ -212,8 +212,12 @@ def test_partitioned_tap_delivers_each_shard_from_its_own_device(transport, coll
         np.testing.assert_array_equal(arg, whole[where])
 
 
+# (out_shardings fixes the result's sharding whatever the tap does: left out)
+FREE_RESULT_IDIOMS = [idiom for idiom in AUTOMATIC_IDIOMS if idiom.run is not _in_out_shardings]
+
+
 @pytest.mark.needs_internals("taps in a jit over a sharded mesh")
-@pytest.mark.parametrize("idiom", AUTOMATIC_IDIOMS, ids=IDS)
+@pytest.mark.parametrize("idiom", FREE_RESULT_IDIOMS, ids=[i.name for i in FREE_RESULT_IDIOMS])
 def test_a_whole_value_tap_leaves_the_sharding_of_what_follows_as_it_was(transport, collector,
                                                                           idiom):
     untapped, _ = idiom.run(lambda x: x * 2 + 1)

@@ -237,8 +237,8 @@ class DeviceQueue {
 
   // Waits for the ticket's turn and room for `bytes` (or a closed queue): 0, or kTimedOut,
   // kInterrupted or kWatchFailed (see Reserve) with the ticket given up and the lock released
-  // (called under mu_).
-  // A call (is_call) also stops waiting once calls are interrupted (InterruptCalls).
+  // (called under mu_). A call (is_call) also stops waiting, kInterrupted, once calls are
+  // interrupted (InterruptCalls).
   int64_t WaitForRoom(std::unique_lock<std::mutex>& lock, uint64_t ticket, uint64_t bytes,
                       double timeout_s, const std::function<bool()>& watch = nullptr,
                       bool is_call = false);

@@ -21,10 +21,12 @@ leaves the rest.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -434,10 +436,13 @@ class Lifecycle:
         try:
             undelivered = self.stop(timeout=timeout, notice_after=notice_after)
         except KeyboardInterrupt:
-            outfeed.set_leaving()  # computations still running stop at their next tap
-            left = self._pool.abandon()
-            sys.stderr.write(f"hostcallback: exit without the {left} queued tap record(s) "
-                             "(Ctrl-C)\n")
+            # Leaving takes a second or two and must run whole: one more Ctrl-C (a terminal's
+            # reaches a wrapper such as `timeout` and the program both) is ignored meanwhile.
+            with _ctrl_c_ignored():
+                outfeed.set_leaving()  # computations still running stop at their next tap
+                left = self._pool.abandon()
+                sys.stderr.write(f"hostcallback: exit without the {left} queued tap record(s) "
+                                 "(Ctrl-C)\n")
             return
         self.run_flush_hooks(deadline)
         self._pool.failures.log.flush()
@@ -449,6 +454,19 @@ class Lifecycle:
         if self._pool.failures.count:
             logger.error("hostcallback: %d tap consumer(s) raised and no barrier_wait reported it",
                          self._pool.failures.count)
+
+
+@contextlib.contextmanager
+def _ctrl_c_ignored():
+    """SIGINT ignored meanwhile, on the main thread (elsewhere Python runs no handler anyway)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:  # (None: a handler not set from Python; the default then ends the process)
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
 
 
 # How long exit waits for the receiver threads already past the exit gate to have the GIL.

@@ -141,7 +141,9 @@ class ReceiverPool:
 
     def __init__(self, consumers: ConsumerRegistry) -> None:
         self._consumers = consumers
-        self._lock = threading.Lock()
+        # Reentrant for its owner check: a wait that a Ctrl-C interrupted releases it only if it
+        # still holds it (_release_if_held).
+        self._lock = threading.RLock()
         self._marker_seen = threading.Condition(self._lock)
         self._threads: dict[QueueKey, threading.Thread] = {}
         self._devices: dict[QueueKey, Any] = {}
@@ -494,7 +496,8 @@ class ReceiverPool:
         thread sending the markers, which then calls wake_waiters()), CallbackException when a
         receiver died, and TimeoutError at the deadline (monotonic); a ``notice`` that comes due
         meanwhile is said."""
-        with self._lock:
+        self._lock.acquire()
+        try:
             try:
                 while True:
                     self._raise_if_dead_locked()
@@ -525,6 +528,8 @@ class ReceiverPool:
             finally:
                 for seen in self._markers.values():
                     seen.difference_update(markers)
+        finally:
+            _release_if_held(self._lock)
 
     def computations_begun(self) -> dict[QueueKey, int]:
         """Per device, how many tapped computations have begun (the id the next one gets)."""
@@ -653,6 +658,18 @@ class ReceiverPool:
         """Starts every device's ``peak_bytes_queued`` again from what is queued now."""
         for platform, ordinal in self._known_devices():
             outfeed.reset_peak_bytes_queued(ordinal, platform=platform)
+
+
+def _release_if_held(lock: threading.RLock) -> None:
+    """Releases ``lock`` if this thread holds it. On the main thread a KeyboardInterrupt can end
+    the acquire that Condition.wait (or a notice's pause) makes on its way back, leaving it
+    released; the KeyboardInterrupt, not a RuntimeError about the lock, is what the caller must
+    see. (An RLock refuses a release by a thread that does not own it: no other thread's hold
+    is undone.)"""
+    try:
+        lock.release()
+    except RuntimeError:
+        pass
 
 
 receivers = ReceiverPool(registry)

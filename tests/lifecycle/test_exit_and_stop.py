@@ -288,6 +288,25 @@ def test_a_long_exit_says_what_it_waits_for_and_ctrl_c_leaves_quietly():
     assert "Traceback" not in rest and "Exception ignored" not in rest
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("gap", [0.0, 0.002, 0.02], ids=["together", "2 ms apart", "20 ms apart"])
+def test_two_ctrl_cs_at_once_during_the_exit_drain_leave_quietly(gap):
+    # (a terminal's Ctrl-C reaches both a wrapper such as `timeout` and the program)
+    child = start_slow_taps()
+    lines = []
+    for line in child.stderr:
+        lines.append(line)
+        if EXIT_NOTICE in line:
+            child.send_signal(signal.SIGINT)
+            time.sleep(gap)
+            child.send_signal(signal.SIGINT)
+            break
+    rest = child.stderr.read()
+    assert child.wait(timeout=60) == 0, "".join(lines) + rest
+    assert "hostcallback: exit without the " in rest and "queued tap record(s) (Ctrl-C)" in rest
+    assert "Traceback" not in rest and "Exception ignored" not in rest, rest
+
+
 LONG_LOOP_OF_TAPS = """
 import signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive run has it

@@ -109,3 +109,36 @@ print(run(10))
     assert child.returncode == 0, stderr
     assert "caught" in stderr
     assert stdout == f"{2.0 * sum(range(10))}\n"
+
+
+class _InterruptedReacquire:
+    """A Condition whose wait ends as a Ctrl-C can end it on the main thread: the lock released,
+    and the KeyboardInterrupt raised by the acquire on the way back."""
+
+    def __init__(self, lock):
+        self._lock = lock
+
+    def wait(self, timeout=None):
+        self._lock.release()
+        raise KeyboardInterrupt
+
+    def notify_all(self):
+        pass
+
+
+def test_a_ctrl_c_that_ends_a_barriers_wait_is_a_keyboard_interrupt_not_a_lock_error():
+    import jax
+
+    from hostcallback._host.receiver import ReceiverPool, queue_key
+    from hostcallback._records.registry import registry
+
+    pool = ReceiverPool(registry)
+    device = jax.devices()[0]
+    key = queue_key(device)
+    pool._devices, pool._markers = {key: device}, {key: set()}
+    pool._marker_seen = _InterruptedReacquire(pool._lock)
+    with pytest.raises(KeyboardInterrupt):
+        pool.wait_for_markers({key: {5}}, range(4, 8), None, send_errors=[], what="barrier_wait",
+                              timeout=None, notice=None)
+    assert pool._lock.acquire(blocking=False)  # not left held
+    pool._lock.release()

@@ -2,6 +2,7 @@
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -341,3 +342,23 @@ def test_tap_to_takes_one_sink_as_a_list_of_one(tmp_path):
     hcb.barrier_wait()
     sink.close()
     assert [r.value for r in read_records(tmp_path / "one.hcbs")] == [1.0]
+
+
+@pytest.mark.parametrize("max_bytes", [0, 1 << 20], ids=["one file", "rotating"])
+def test_a_process_killed_after_its_steps_loses_none_of_its_file_sinks_records(tmp_path,
+                                                                                 max_bytes):
+    path = tmp_path / "killed.hcbs"
+    result = run_python(f"""
+        import os, signal
+        import jax, jax.numpy as jnp
+        from hostcallback.consumer import FileSink, tap_to
+        sink = FileSink({str(path)!r}, max_bytes={max_bytes})
+        step = jax.jit(lambda s: (tap_to([sink], {{"step": s, "loss": s * 0.5}}, name="train"),
+                                  s + 1)[1])
+        s = jnp.int32(0)
+        for _ in range(100):
+            s = step(s).block_until_ready()  # ready: its tap was handled
+        os.kill(os.getpid(), signal.SIGKILL)
+        """, devices=1)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    assert [r.step for r in read_records(path)] == list(range(100))

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 
-from hostcallback.addons import add_flush_hook
+from hostcallback.addons import add_flush_hook, exiting
 
 from .protocol import (
     ACK,
@@ -50,6 +50,9 @@ _SEND_TIMEOUT = 60.0
 # A refusal arrives whole within this long of its first bytes (it is a sentence, sent at once):
 # one that trickles in must not hold the sending thread, it is taken as far as it came.
 _REFUSAL_SECONDS = 1.0
+# At exit, how long the last flush waits for acknowledgements before it says what it waits for
+# (as exit's own notice does for computations and queued records).
+_SAY_AT_EXIT_AFTER = 3.0
 
 
 class _Refused(OSError):
@@ -217,14 +220,16 @@ class SocketSink(FrameSink):
             (total,) = ACK.unpack_from(acks)
             if total == REFUSED:
                 raise _Refused(self._read_refusal(connection, acks))
+            raw = bytes(acks[:ACK.size])
             del acks[:ACK.size]
             with self._cond:
                 newly = total - on_connection[0]
                 if not 0 <= newly <= self._sent:  # it would forget records never sent
                     raise _ProtocolError(
-                        f"the collector acknowledged {total} records on this connection, but "
-                        f"{on_connection[0] + self._sent} were sent on it (not a hostcallback "
-                        "collector, or a broken one; reconnecting, and no record is forgotten)")
+                        f"the collector acknowledged {total} records on this connection "
+                        f"(bytes {raw!r}), but {on_connection[0] + self._sent} were sent on it "
+                        "(not a hostcallback collector, or a broken one; reconnecting, and no "
+                        "record is forgotten)")
                 on_connection[0] = total
                 self._buffered -= sum(map(len, self._frames[:newly]))
                 del self._frames[:newly]
@@ -395,11 +400,26 @@ class SocketSink(FrameSink):
 
     def flush_before(self, deadline: float | None) -> bool:
         """The flush after a barrier or at exit: waits until ``deadline`` (monotonic) at most, and
-        at most ``flush_timeout``; says once what is still unacknowledged instead of raising."""
+        at most ``flush_timeout``; says once what is still unacknowledged instead of raising.
+        At exit (the last flush) it says after a few seconds what it waits for, and at the end
+        how many records are lost."""
         if self._closed:
             return not self.pending  # a closed sink already reported what it could not send
-        if self._wait_acknowledged(self._deadline(None, deadline)):
+        at_exit = exiting()
+        until = self._deadline(None, deadline)
+        if at_exit and self._wait_acknowledged(min(until, time.monotonic() + _SAY_AT_EXIT_AFTER)):
             return True
+        if at_exit and until > time.monotonic():
+            logger.warning("SocketSink to %s:%d: exit waits up to %.0f s for the collector to "
+                           "acknowledge %d records (%s)", *self.address, until - time.monotonic(),
+                           self.pending, self.problem or "the collector is slow")
+        if self._wait_acknowledged(until):
+            return True
+        if at_exit:
+            logger.error("SocketSink to %s:%d: %d records the collector did not acknowledge are "
+                         "lost as this process exits (%s)", *self.address, self.pending,
+                         self.problem or "the collector was too slow")
+            return False
         if self._flush_warned:  # once per outage: a barrier every step must not flood the log
             return False
         self._flush_warned = True

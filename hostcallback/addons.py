@@ -16,6 +16,8 @@ can write a sink the way ours are written:
   one consumer, so retracing a step reuses its tap site.
 - ``add_installed_copies``: how an add-on with a compiled extension of its own finds it from a
   source checkout (its installed copy beside the sources on ``__path__``).
+- ``exiting()``: whether exit's delivery has begun, so that a flush hook can tell its last
+  flush, and say what it loses, from one after a barrier.
 - ``exit_gate()``: the core's exit gate, for such an extension that releases the GIL: a receiver
   thread that comes back to it after exit's handler parks, as it does in the core (gil.h says why).
 """
@@ -34,13 +36,19 @@ from hostcallback.lifecycle import lifecycle
 
 __all__ = ["CONSUMER_ID", "DEVICE_ID", "FLAGS", "LEAVES", "SEQUENCE", "EqualByKey", "RecordBatch",
            "RecordContext", "add_flush_hook", "add_installed_copies", "array_summary",
-           "current_record", "exit_gate", "format_metadata", "format_value"]
+           "current_record", "exit_gate", "exiting", "format_metadata", "format_value"]
 
 
 def add_flush_hook(owner: Any) -> None:
     """Flushes ``owner`` after every barrier and at exit, for as long as it lives (held weakly:
     a sink that is dropped is no longer flushed)."""
     lifecycle.add_flush_hook(owner)
+
+
+def exiting() -> bool:
+    """Whether interpreter exit's delivery has begun: a flush hook called now is the last one,
+    and what it cannot write by its deadline is lost (say so)."""
+    return lifecycle.exiting
 
 
 def exit_gate() -> Any:

@@ -176,7 +176,7 @@ class Lifecycle:
 
     def barrier_wait(self, logging_name: str | None = None, timeout: float | None = None,
                      raise_errors: bool = True, notice_after: float | None = None,
-                     follow_long: bool = False) -> None:
+                     follow_long: bool = False, flush: bool = True) -> None:
         self._refuse_caller("barrier_wait()")
         deadline = None if timeout is None else time.monotonic() + timeout
         if self._pool.started:
@@ -193,7 +193,8 @@ class Lifecycle:
                 else _FIRST_BEGIN_SECONDS)
             _wait_until_ready(_live_results_not_ready(), deadline, timeout, notice)
             self._wait_for_markers(logging_name, timeout, deadline, notice)
-        self.run_flush_hooks(deadline)
+        if flush:
+            self.run_flush_hooks(deadline)
         self._pool.failures.log.flush(force=False)
         if raise_errors:
             self._pool.failures.raise_pending()
@@ -217,6 +218,11 @@ class Lifecycle:
         """Calls ``owner.flush()`` after every barrier and at exit, for as long as owner lives
         (sinks that buffer use it so that a barrier also means 'on disk')."""
         self._flush_hooks.add(owner)
+
+    @property
+    def exiting(self) -> bool:
+        """Interpreter exit's delivery has begun (addons.exiting())."""
+        return self._pool.exiting
 
     def run_flush_hooks(self, deadline: float | None = None) -> None:
         """Flushes every hook; one that can bound its wait (``flush_before``, e.g. SocketSink)
@@ -358,11 +364,13 @@ class Lifecycle:
 
     # ---- stop and exit ----
 
-    def stop(self, timeout: float | None = None, notice_after: float | None = None) -> int:
+    def stop(self, timeout: float | None = None, notice_after: float | None = None,
+             flush: bool = True) -> int:
         """Delivers what is queued, then stops the receivers; returns how many records were
         left. ``timeout`` bounds the whole stop (barrier and joins together), not each step;
         with ``notice_after``, a stop that has waited that long says on stderr what it waits
-        for."""
+        for. ``flush=False`` leaves the flush hooks to the caller (exit flushes them once, last,
+        so that a sink says once what it loses)."""
         self._stop_gave_up = False  # (an earlier stop's, which exit's stop must not report)
         if not self._pool.started:
             self._pool.mark_stopped()
@@ -375,7 +383,8 @@ class Lifecycle:
             # closing the queues wakes (their taps fail with "stopped", or at exit are dropped)
             # and for the joins.
             self.barrier_wait(timeout=None if timeout is None else timeout * _BARRIER_SHARE,
-                              raise_errors=False, notice_after=notice_after, follow_long=True)
+                              raise_errors=False, notice_after=notice_after, follow_long=True,
+                              flush=flush)
         except TimeoutError as error:  # (exit's own warning follows with the time it waited)
             self._stop_gave_up = True
             who = "exit" if self._pool.exiting else "stop_outfeed_receiver()"
@@ -434,7 +443,8 @@ class Lifecycle:
             outfeed.interrupt_calls()
 
         try:
-            undelivered = self.stop(timeout=timeout, notice_after=notice_after)
+            undelivered = self.stop(timeout=timeout, notice_after=notice_after, flush=False)
+            self.run_flush_hooks(deadline)  # once, last: a sink says then what it loses
         except KeyboardInterrupt:
             # Leaving takes a second or two and must run whole: one more Ctrl-C (a terminal's
             # reaches a wrapper such as `timeout` and the program both) is ignored meanwhile.
@@ -443,8 +453,8 @@ class Lifecycle:
                 left = self._pool.abandon()
                 sys.stderr.write(f"hostcallback: exit without the {left} queued tap record(s) "
                                  "(Ctrl-C)\n")
+                self.run_flush_hooks(time.monotonic())  # no wait: each says what it loses
             return
-        self.run_flush_hooks(deadline)
         self._pool.failures.log.flush()
         if undelivered or self._stop_gave_up:
             logger.warning("hostcallback: %d tap records were not delivered before exit, and the "

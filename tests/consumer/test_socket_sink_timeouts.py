@@ -2,8 +2,13 @@
 a collector that cannot be reached is reported once, and records that never arrive are named."""
 
 import logging
+import os
 import re
+import signal
 import socket
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -84,7 +89,53 @@ def test_exit_is_bounded_by_the_exit_timeout_with_an_unreachable_collector():
         """, devices=1, env={"HOSTCALLBACK_EXIT_TIMEOUT": "2"}, timeout=45)
     assert result.returncode == 0, result.stderr
     assert "dispatched" in result.stdout
-    assert "1 records not acknowledged yet" in result.stderr
+    assert "1 records the collector did not acknowledge are lost as this process exits" in \
+        result.stderr
+    assert "unless this process exits first" not in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_exit_says_what_a_socket_sink_waits_for_then_what_it_loses():
+    port = free_port()
+    started = time.monotonic()
+    result = run_python(f"""
+        import jax
+        from hostcallback.consumer import SocketSink, tap_to
+        sink = SocketSink("127.0.0.1", {port}, run="nobody")
+        jax.jit(lambda x: tap_to([sink], x, name="x"))(1.0)
+        """, devices=1, env={"HOSTCALLBACK_EXIT_TIMEOUT": "6"}, timeout=45)
+    assert result.returncode == 0, result.stderr
+    waits = re.search(r"exit waits up to ([0-9]+) s for the collector to acknowledge 1 records "
+                      r"\(cannot reach", result.stderr)
+    assert waits and 1 <= int(waits.group(1)) <= 3, result.stderr
+    assert "1 records the collector did not acknowledge are lost as this process exits" in \
+        result.stderr
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_while_exit_waits_for_the_collector_says_what_is_lost():
+    port = free_port()
+    code = textwrap.dedent(f"""
+        import signal
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as an interactive run has it
+        import jax
+        from hostcallback.consumer import SocketSink, tap_to
+        sink = SocketSink("127.0.0.1", {port}, run="nobody")
+        jax.jit(lambda x: tap_to([sink], x, name="x"))(1.0)
+        """)
+    child = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    lines = []
+    for line in child.stderr:
+        lines.append(line)
+        if "exit waits up to" in line:
+            child.send_signal(signal.SIGINT)
+            break
+    rest = child.stderr.read()
+    assert child.wait(timeout=30) == 0, "".join(lines) + rest
+    assert "1 records the collector did not acknowledge are lost as this process exits" in rest
+    assert "Traceback" not in rest, rest
 
 
 class FakeCollector:
@@ -250,8 +301,8 @@ def test_an_acknowledgement_of_more_records_than_were_sent_is_an_error_and_forge
         for i in range(3):
             sink.emit(TapRecord(name="r", value=i))
         # Before the fix the flush returned: the acknowledgement deleted every buffered record.
-        with pytest.raises(TimeoutError, match=r"acknowledged 1000 records on this connection, "
-                                               r"but [123] were sent on it"):
+        with pytest.raises(TimeoutError, match=r"acknowledged 1000 records on this connection "
+                                               r"\(bytes b'.*'\), but [123] were sent on it"):
             sink.flush(timeout=3)
     assert sink.pending == 3 and sink.acknowledged == 0 and sink.dropped == 0
     assert sink.close(timeout=0) == 3

@@ -109,6 +109,9 @@ class SinkTap(EqualByKey):
     def _key(self):
         return (tuple(map(id, self.sinks)), self.name, repr(sorted(self.metadata.items())))
 
+    def __repr__(self) -> str:  # how failures name this tap site
+        return f"tap_to({self.name!r}) to [{', '.join(map(repr, self.sinks))}]"
+
     def __call__(self, arg, transforms, device=None) -> None:
         context = current_record()
         step = step_of(arg)
@@ -119,18 +122,24 @@ class SinkTap(EqualByKey):
             sequence = context.sequence
         now = time.time()
         data = record = None  # each built once, for the first sink that wants it
+        first_error = None  # a sink that fails does not keep the others from the record
         for sink, takes_frames in self._targets:
-            if takes_frames:
-                if data is None:
-                    framer = self._framer or self._make_framer()
-                    data = framer.frame(arg, step, device_name, device_id, sequence, now,
-                                        transforms)
-                sink.emit_frame(data, self.name)
-            else:
-                if record is None:
-                    record = self._record(arg, step, device_name, device_id, sequence, now,
-                                          transforms)
-                sink.emit(record)
+            try:
+                if takes_frames:
+                    if data is None:
+                        framer = self._framer or self._make_framer()
+                        data = framer.frame(arg, step, device_name, device_id, sequence, now,
+                                            transforms)
+                    sink.emit_frame(data, self.name)
+                else:
+                    if record is None:
+                        record = self._record(arg, step, device_name, device_id, sequence, now,
+                                              transforms)
+                    sink.emit(record)
+            except Exception as error:  # noqa: BLE001 - raised once the others have it
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
 
     def tap_batch(self, batch: RecordBatch) -> None:
         """The receiver's runs of records (RecordBatch): each FrameSink gets the

@@ -289,6 +289,27 @@ def test_a_failing_sink_does_not_keep_the_others_from_a_batch(tmp_path):
     assert [r.step for r in read_records(tmp_path / "s.hcbs")] == list(range(200))
 
 
+def test_a_failing_sink_does_not_keep_the_others_from_a_record_and_the_tap_is_named():
+    seen = []
+
+    class Failing(Sink):
+        def emit(self, record):
+            raise OSError("disk on fire")
+
+    class Records(Sink):
+        def emit(self, record):
+            seen.append(record.name)
+
+        def __repr__(self):
+            return "Records()"
+
+    tap = SinkTap([Failing(), Records()], "loss")
+    with pytest.raises(OSError, match="disk on fire"):
+        tap(np.float32(1), ())
+    assert seen == ["loss"]
+    assert repr(tap).startswith("tap_to('loss') to [<") and repr(tap).endswith(", Records()]")
+
+
 def test_a_frame_that_fails_does_not_keep_the_later_frames_of_a_batch_out():
     written = []
 

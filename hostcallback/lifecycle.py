@@ -454,6 +454,8 @@ class Lifecycle:
                 sys.stderr.write(f"hostcallback: exit without the {left} queued tap record(s) "
                                  "(Ctrl-C)\n")
                 self.run_flush_hooks(time.monotonic())  # no wait: each says what it loses
+                if self._pool.computations_running():
+                    _leave_backends_to_the_os()
             return
         self._pool.failures.log.flush()
         if undelivered or self._stop_gave_up:
@@ -461,9 +463,26 @@ class Lifecycle:
                            "taps of computations still running are dropped (waited %.1f s of "
                            "HOSTCALLBACK_EXIT_TIMEOUT=%g s; set it higher to wait longer)",
                            undelivered, time.monotonic() - start, timeout)
+        if self._stop_gave_up:
+            _leave_backends_to_the_os()
         if self._pool.failures.count:
             logger.error("hostcallback: %d tap consumer(s) raised and no barrier_wait reported it",
                          self._pool.failures.count)
+
+
+def _leave_backends_to_the_os() -> None:
+    """Computations still run (stuck, say, in a collective with a process that is gone): XLA's
+    client, destroyed as the interpreter finalizes, would wait for their threads for good. One
+    reference more to each backend keeps it alive until the process ends."""
+    import ctypes
+
+    from jax.extend import backend as jax_backend
+
+    for platform in {device.platform for device in jax.devices()}:
+        try:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(jax_backend.get_backend(platform)))
+        except Exception:  # noqa: BLE001 - at exit: no backend, nothing to keep
+            pass
 
 
 @contextlib.contextmanager

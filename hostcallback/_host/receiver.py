@@ -289,10 +289,14 @@ class ReceiverPool:
             if not thread.is_alive():
                 handover.forget_queue(*key)
 
+    def computations_running(self) -> int:
+        """Tapped computations begun and not ended, on every device."""
+        return sum(outfeed.computations(k[1], platform=k[0])["running"] for k in self._threads)
+
     def say_what_is_waited_for(self) -> None:
         """One line on stderr: the tapped computations still running and the records queued;
         nothing when there are neither (the wait is about to end)."""
-        running = sum(outfeed.computations(k[1], platform=k[0])["running"] for k in self._threads)
+        running = self.computations_running()
         with self._lock:
             queued = self._undelivered_locked()
         if not running and not queued:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from helpers import run_python
+from helpers import free_port, run_python
 
 SLOW_TAPS = """
     import sys, time
@@ -401,3 +401,34 @@ time.sleep(60)  # the user presses Ctrl-C here
     assert said_after < 2.0  # not the 3 s an exit without Ctrl-C waits before saying it
     assert re.fullmatch(r"hostcallback: exit without the \d+ queued tap record\(s\) \(Ctrl-C\)\n",
                         rest), rest
+
+
+@pytest.mark.timeout(180)
+def test_a_ctrl_c_after_a_peer_has_gone_ends_the_process_after_the_exit_timeout():
+    # The peer leaves at a Ctrl-C; this process's next step waits in a collective for it for
+    # good, and a Ctrl-C here ends the process once exit has waited. (In a new user's heavier
+    # pod the process then hung in XLA's client teardown, waiting for that step's thread; this
+    # small one does not show that, so it checks the bounded exit only.)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu", HOSTCALLBACK_EXIT_TIMEOUT="3")
+    worker = os.path.join(os.path.dirname(__file__), "peer_gone_worker.py")
+    coordinator = str(free_port())
+    processes = [subprocess.Popen([sys.executable, worker, coordinator, str(p)], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for p in range(2)]
+    try:
+        for process in processes:
+            for line in process.stdout:
+                if line == "running\n":
+                    break
+        processes[1].send_signal(signal.SIGINT)
+        time.sleep(3.0)  # this process's step is waiting for its peer now
+        processes[0].send_signal(signal.SIGINT)
+        codes = [process.wait(timeout=90) for process in processes]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    # (a KeyboardInterrupt that ends Python ends it by SIGINT, as a shell shows with 130)
+    assert codes == [-signal.SIGINT] * 2, [process.stdout.read() for process in processes]

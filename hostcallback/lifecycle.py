@@ -446,16 +446,7 @@ class Lifecycle:
             undelivered = self.stop(timeout=timeout, notice_after=notice_after, flush=False)
             self.run_flush_hooks(deadline)  # once, last: a sink says then what it loses
         except KeyboardInterrupt:
-            # Leaving takes a second or two and must run whole: one more Ctrl-C (a terminal's
-            # reaches a wrapper such as `timeout` and the program both) is ignored meanwhile.
-            with _ctrl_c_ignored():
-                outfeed.set_leaving()  # computations still running stop at their next tap
-                left = self._pool.abandon()
-                sys.stderr.write(f"hostcallback: exit without the {left} queued tap record(s) "
-                                 "(Ctrl-C)\n")
-                self.run_flush_hooks(time.monotonic())  # no wait: each says what it loses
-                if self._pool.computations_running():
-                    _leave_backends_to_the_os()
+            self._leave_at_once()
             return
         self._pool.failures.log.flush()
         if undelivered or self._stop_gave_up:
@@ -468,6 +459,30 @@ class Lifecycle:
         if self._pool.failures.count:
             logger.error("hostcallback: %d tap consumer(s) raised and no barrier_wait reported it",
                          self._pool.failures.count)
+
+
+    def _leave_at_once(self) -> None:
+        """Exit after a Ctrl-C that said leave: stop the receivers without the rest, say how many
+        records are left, let each sink say what it loses. It takes a second or two and must
+        run whole, so one more Ctrl-C (a terminal's reaches a wrapper such as `timeout` and the
+        program both) is ignored meanwhile; one that came before the ignoring began still
+        raises, once, and the steps are taken again (each says its line once)."""
+        said = False
+        for _ in range(3):
+            try:
+                with _ctrl_c_ignored():
+                    outfeed.set_leaving()  # computations still running stop at their next tap
+                    left = self._pool.abandon()
+                    if not said:
+                        sys.stderr.write(f"hostcallback: exit without the {left} queued tap "
+                                         "record(s) (Ctrl-C)\n")
+                        said = True
+                    self.run_flush_hooks(time.monotonic())  # no wait: each says what it loses
+                    if self._pool.computations_running():
+                        _leave_backends_to_the_os()
+                return
+            except KeyboardInterrupt:
+                continue
 
 
 def _leave_backends_to_the_os() -> None:

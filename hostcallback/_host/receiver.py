@@ -156,6 +156,7 @@ class ReceiverPool:
         self._all_started = False  # every receiver is in place (ensure_started's fast path)
         self.exiting = False  # interpreter exit has begun: Ctrl-C in a consumer interrupts no one
         self._abandoned = False  # exit was told to leave the queued records (a second Ctrl-C)
+        self._left_when_abandoned: int | None = None  # how many records abandon() left
         self.forked = False  # this process is a fork() child of the one that started them
         # How long a device that shows nothing new may hold a computation that began and never
         # ended before waits take it for failed (shorter at an exit that Ctrl-C caused).
@@ -267,9 +268,13 @@ class ReceiverPool:
         return next((i for i, r in enumerate(batch) if r is record), 0)
 
     def abandon(self) -> int:
-        """Stops the receivers without delivering the rest; returns how many records were left."""
+        """Stops the receivers without delivering the rest; returns how many records were left
+        (counted by the first call: a second one, after a Ctrl-C cut the first short, says the
+        same)."""
+        if self._left_when_abandoned is None:
+            self._left_when_abandoned = self.undelivered()
+        left = self._left_when_abandoned
         self._abandoned = True
-        left = self.undelivered()
         outfeed.set_closed(True)
         self._stopping.set()
         for thread in self._threads.values():

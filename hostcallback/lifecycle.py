@@ -138,6 +138,7 @@ class Lifecycle:
         self._marker_computations: dict[str, tuple] = {}  # per transport, built on first use
         self._probes: list[tuple] = []  # (computation, its argument), built on first use
         self._stop_gave_up = False  # stop()'s barrier timed out
+        self._said_left = False  # exit said how many records a Ctrl-C left (_leave_at_once)
         self._markers_compiled: threading.Event | None = None  # set once _compile_markers ended
 
     def ensure_started(self) -> None:
@@ -446,7 +447,19 @@ class Lifecycle:
             undelivered = self.stop(timeout=timeout, notice_after=notice_after, flush=False)
             self.run_flush_hooks(deadline)  # once, last: a sink says then what it loses
         except KeyboardInterrupt:
-            self._leave_at_once()
+            leave = True
+        else:
+            leave = False
+        if leave:
+            # A second Ctrl-C that came before SIGINT was ignored raises once more, where Python
+            # next looks at signals: entering a function or a call, so nothing is called
+            # between the except above and this try, and the steps are taken again.
+            for _ in (1, 2, 3):
+                try:
+                    self._leave_at_once()
+                    return
+                except KeyboardInterrupt:
+                    continue
             return
         self._pool.failures.log.flush()
         if undelivered or self._stop_gave_up:
@@ -465,24 +478,18 @@ class Lifecycle:
         """Exit after a Ctrl-C that said leave: stop the receivers without the rest, say how many
         records are left, let each sink say what it loses. It takes a second or two and must
         run whole, so one more Ctrl-C (a terminal's reaches a wrapper such as `timeout` and the
-        program both) is ignored meanwhile; one that came before the ignoring began still
-        raises, once, and the steps are taken again (each says its line once)."""
-        said = False
-        for _ in range(3):
-            try:
-                with _ctrl_c_ignored():
-                    outfeed.set_leaving()  # computations still running stop at their next tap
-                    left = self._pool.abandon()
-                    if not said:
-                        sys.stderr.write(f"hostcallback: exit without the {left} queued tap "
-                                         "record(s) (Ctrl-C)\n")
-                        said = True
-                    self.run_flush_hooks(time.monotonic())  # no wait: each says what it loses
-                    if self._pool.computations_running():
-                        _leave_backends_to_the_os()
-                return
-            except KeyboardInterrupt:
-                continue
+        program both) is ignored meanwhile. Taken again after a Ctrl-C that came before the
+        ignoring began, it says its line once."""
+        with _ctrl_c_ignored():
+            outfeed.set_leaving()  # computations still running stop at their next tap
+            left = self._pool.abandon()
+            if not self._said_left:
+                self._said_left = True
+                sys.stderr.write(f"hostcallback: exit without the {left} queued tap record(s) "
+                                 "(Ctrl-C)\n")
+            self.run_flush_hooks(time.monotonic())  # no wait: each says what it loses
+            if self._pool.computations_running():
+                _leave_backends_to_the_os()
 
 
 def _leave_backends_to_the_os() -> None:

@@ -271,16 +271,29 @@ def start_slow_taps(then: str = "") -> subprocess.Popen:
     return start_program(HALF_SECOND_TAPS + then)
 
 
-@pytest.mark.timeout(120)
-def test_a_long_exit_says_what_it_waits_for_and_ctrl_c_leaves_quietly():
-    child = start_slow_taps()
-    lines = []
+def interrupt_at_the_exit_notice(child: subprocess.Popen, lines: list,
+                                 again_after: float | None = None) -> tuple[float, str]:
+    """Reads the child's stderr into ``lines`` until exit says what it waits for, then presses
+    Ctrl-C (and again ``again_after`` s later); returns when it pressed it first (monotonic)
+    and the rest of the child's stderr."""
+    pressed = None
     for line in child.stderr:
         lines.append(line)
         if EXIT_NOTICE in line:
             child.send_signal(signal.SIGINT)
+            pressed = time.monotonic()
+            if again_after is not None:
+                time.sleep(again_after)
+                child.send_signal(signal.SIGINT)
             break
-    rest = child.stderr.read()
+    return pressed, child.stderr.read()
+
+
+@pytest.mark.timeout(120)
+def test_a_long_exit_says_what_it_waits_for_and_ctrl_c_leaves_quietly():
+    child = start_slow_taps()
+    lines = []
+    _, rest = interrupt_at_the_exit_notice(child, lines)
     assert child.wait(timeout=60) == 0, "".join(lines) + rest
     assert any(line.startswith("hostcallback: waiting for ") and " tapped computation(s) still "
                "running and delivering " in line for line in lines)
@@ -294,14 +307,7 @@ def test_two_ctrl_cs_at_once_during_the_exit_drain_leave_quietly(gap):
     # (a terminal's Ctrl-C reaches both a wrapper such as `timeout` and the program)
     child = start_slow_taps()
     lines = []
-    for line in child.stderr:
-        lines.append(line)
-        if EXIT_NOTICE in line:
-            child.send_signal(signal.SIGINT)
-            time.sleep(gap)
-            child.send_signal(signal.SIGINT)
-            break
-    rest = child.stderr.read()
+    _, rest = interrupt_at_the_exit_notice(child, lines, again_after=gap)
     assert child.wait(timeout=60) == 0, "".join(lines) + rest
     assert "hostcallback: exit without the " in rest and "queued tap record(s) (Ctrl-C)" in rest
     assert "Traceback" not in rest and "Exception ignored" not in rest, rest
@@ -333,13 +339,7 @@ def test_a_second_ctrl_c_at_exit_stops_a_long_loop_of_taps_at_once():
     child = start_program(LONG_LOOP_OF_TAPS)
     lines = []
     interrupt_once_running(child, lines)
-    for line in child.stderr:
-        lines.append(line)
-        if EXIT_NOTICE in line:
-            child.send_signal(signal.SIGINT)
-            left = time.monotonic()
-            break
-    rest = child.stderr.read()
+    left, rest = interrupt_at_the_exit_notice(child, lines)
     assert child.wait(timeout=60) == -signal.SIGINT, "".join(lines) + rest
     assert time.monotonic() - left < 10
     assert "Exception ignored" not in rest, rest

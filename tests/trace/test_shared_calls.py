@@ -240,8 +240,10 @@ outcomes = {}
 def steps(k):
     y = x + 1000 * k  # each thread its own values: an answer crossing over would show
     try:
-        for _ in range(100):
+        for i in range(100):
             y = step(y)  # dispatched back to back, from two threads at once
+            if i % 15 == 14:  # both threads within XLA's 32 computations in flight per device
+                jax.block_until_ready(y)
         outcomes[k] = float(np.asarray(y).sum())
     except Exception as error:
         outcomes[k] = str(error)
@@ -255,10 +257,12 @@ print(json.dumps(outcomes))
 
 
 @pytest.mark.timeout(200)
-def test_two_threads_dispatching_steps_back_to_back_finish_or_fail_with_our_error():
-    """XLA's CPU client may start two computations' parts in a different order on different
-    devices: a part then never comes within the call's timeout, and every part of that call
-    fails saying so; XLA never ends the process (its limit here: 15 s)."""
+def test_two_threads_dispatching_sharded_steps_get_their_own_answers_or_our_error():
+    """Two threads' shared calls never cross answers; where a part does not come within the
+    call's timeout, every part of that call fails saying so, and XLA never ends the process (its
+    limit here: 15 s). The threads block every 15 steps: with a device's 32 computations in
+    flight, XLA's CPU client can deadlock by itself when two threads dispatch sharded steps
+    (plain JAX does too: docs/observations-log.md, 2026-11-29)."""
     result = run_python(THREADS_BACK_TO_BACK, devices=4, timeout=150, env={
         "HOSTCALLBACK_TRANSPORT": "native",
         "XLA_FLAGS": "--xla_force_host_platform_device_count=4 "

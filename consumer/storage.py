@@ -106,6 +106,23 @@ def open_url(url: str):
     return fs.open(path, "rb")
 
 
+def _link_new(path: str, data: bytes) -> None:
+    """Writes ``path``, which must not exist, so that it appears with all of ``data``."""
+    folder, name = os.path.split(path)
+    aside = os.path.join(folder, f".{name}.{os.getpid()}-{threading.get_ident()}.writing")
+    with open(aside, "wb") as file:
+        file.write(data)
+    try:
+        os.link(aside, path)  # FileExistsError if another writer made it first
+    except FileExistsError:
+        raise
+    except OSError:  # a filesystem without hard links: created exclusively, written in place
+        with open(path, "xb") as file:
+            file.write(data)
+    finally:
+        os.unlink(aside)
+
+
 def follow_parts(url: str, read: Callable[[str], Iterator[Any]], poll_seconds: float,
                  should_stop: Callable[[], bool] | None) -> Iterator[Any]:
     """The records of a stream at a URL as its parts are written: each part once it exists
@@ -219,7 +236,10 @@ class PartWriter:
                     self._next_number = max(numbers, default=-1) + 1
                 part = part_path(self.path, self._next_number)
                 target = self.fs.unstrip_protocol(part)
-                self.fs.pipe_file(part, data)
+                self._write_new(part, data)
+            except FileExistsError:  # another writer on this URL took the number: the next
+                self._next_number += 1
+                continue
             except Exception as error:  # noqa: BLE001 - credentials, network, a missing bucket
                 self._next_try = time.monotonic() + self.retry_seconds
                 kept = sum(records for _, records in self._waiting)
@@ -228,6 +248,21 @@ class PartWriter:
                               f"{kept} record(s) kept to try again{dropped}") from error
             self._waiting.pop(0)
             self._next_number += 1
+
+    def _write_new(self, part: str, data: bytes) -> None:
+        """Writes a part that does not exist yet, or raises FileExistsError: two writers on one
+        URL (processes without ``{process}``, a restarted one while the old one flushes) do not
+        overwrite each other's parts. A local part is linked into place whole, so a follower
+        never reads one half written; in a store, a write that races another's within the
+        moment between its check and its upload is the window left (exclusive writes are not
+        supported alike by the S3-compatible stores)."""
+        if _is_local(self.fs):
+            _link_new(part, data)
+            return
+        self.fs.invalidate_cache(part)
+        if self.fs.exists(part):
+            raise FileExistsError(part)
+        self.fs.pipe_file(part, data)
 
     def _drop_past_bound(self) -> None:
         """Past ``buffer_bytes`` of parts not written, the oldest go (the newest stays)."""

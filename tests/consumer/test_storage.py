@@ -12,6 +12,7 @@ import uuid
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import hostcallback as hcb
@@ -180,6 +181,42 @@ def test_following_a_stream_at_a_url_reads_each_part_as_it_is_written():
     seen = [r.step for r in follow_records(url, poll_seconds=0.02, should_stop=done.is_set)]
     writer.join()
     assert seen == list(range(5))
+
+
+@pytest.mark.parametrize("store", ["memory", "file"])
+def test_two_sinks_on_one_url_never_overwrite_each_others_parts(store, tmp_path):
+    """Two processes writing one URL (no ``{process}`` in it), or a restarted one while the old
+    one still flushes: each part is written anew, never over another's."""
+    url = _url() if store == "memory" else f"file://{tmp_path}/run.hcbs"
+    sinks = [FileSink(url), FileSink(url)]
+    for step in range(6):
+        for process, sink in enumerate(sinks):
+            _records(sink, process, [step])
+            sink.flush()  # one part each, numbered from the same first listing
+    records = sorted((r.process, r.step) for r in read_stream(url))
+    assert records == [(p, step) for p in (0, 1) for step in range(6)]
+
+
+def test_a_follower_of_a_local_url_never_reads_a_part_half_written(tmp_path):
+    url = f"file://{tmp_path}/run.hcbs"
+    sink = FileSink(url, part_bytes=1 << 30)
+    listening, stop = threading.Event(), threading.Event()
+    seen = []
+
+    def follow():
+        listening.set()
+        seen.extend(r.step for r in follow_records(url, poll_seconds=0.001,
+                                                   should_stop=stop.is_set))
+
+    follower = threading.Thread(target=follow)
+    follower.start()
+    listening.wait()
+    for step in range(200):  # one part of 20 MB, written at the flush while the follower polls
+        sink.emit(TapRecord(name="w", value={"w": np.zeros(25_000, np.float32)}, step=step))
+    sink.flush()
+    stop.set()
+    follower.join(60)
+    assert seen == list(range(200))
 
 
 def test_part_settings_must_be_positive():

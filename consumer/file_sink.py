@@ -8,6 +8,7 @@ never rewrites what it wrote: rotation renames files (``path`` to ``path.1``, ..
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -20,6 +21,8 @@ from .stream import StreamWriter
 
 PLACEHOLDERS = ("{process}", "{host}")
 
+logger = logging.getLogger("hostcallback.sinks")
+
 
 def expand_placeholders(path: str) -> str:
     """``path`` with ``{process}`` (``jax.process_index()``) and ``{host}`` filled in."""
@@ -29,7 +32,8 @@ def expand_placeholders(path: str) -> str:
 
 
 class FileSink(FrameSink):
-    """Appends records to a stream file; rotates it past ``max_bytes`` (0: never).
+    """Appends records to a stream file; rotates it past ``max_bytes`` (0: never), keeping
+    ``backup_count`` older files (``path.1`` the newest) and deleting the oldest past them.
 
     ``path`` may be an fsspec URL (``gs://bucket/run/{process}.hcbs``, ``s3://...``,
     ``memory://...``; ``pip install 'hostcallback[storage]'``): the stream is then written as
@@ -49,8 +53,14 @@ class FileSink(FrameSink):
                  part_bytes: int = 8 << 20, part_seconds: float = 60.0,
                  buffer_bytes: int = 256 << 20) -> None:
         self.path = os.fspath(path)
+        if max_bytes < 0 or (max_bytes and backup_count < 1):
+            raise ValueError(
+                f"FileSink({self.path!r}) needs max_bytes >= 0 and, to rotate, backup_count >= 1 "
+                f"(got max_bytes={max_bytes!r}, backup_count={backup_count!r}): each rotation "
+                "keeps backup_count older files; max_bytes=0 never rotates")
         self.max_bytes = max_bytes
         self.backup_count = backup_count
+        self._said_oldest_deleted = self._said_rotation_failed = False
         self._part_settings = (part_bytes, part_seconds, buffer_bytes)
         self._lock = threading.Lock()
         self._file = None
@@ -91,16 +101,32 @@ class FileSink(FrameSink):
             self._open()
 
     def _rotate(self) -> None:
+        """``path`` becomes ``path.1`` (and each ``path.N`` ``path.N+1``), and a new ``path`` is
+        opened; the oldest past ``backup_count`` is deleted, as RotatingFileHandler does, and
+        said once. A rotation that fails (``path`` moved or deleted by someone else, a folder
+        made read-only) is said, and the records go on to ``path`` opened again."""
         self._file.close()
-        for index in range(self.backup_count - 1, 0, -1):
-            older = f"{self.path}.{index}"
-            if os.path.exists(older):
-                os.replace(older, f"{self.path}.{index + 1}")
-        if self.backup_count > 0:
+        self._file = None  # opened again below, or by the next write if that fails
+        try:
+            oldest = f"{self.path}.{self.backup_count}"
+            if os.path.exists(oldest) and not self._said_oldest_deleted:
+                self._said_oldest_deleted = True
+                logger.warning("%r deletes %s, its oldest file, as it rotates (and each oldest "
+                               "from now on): it keeps backup_count=%d older files",
+                               self, oldest, self.backup_count)
+            for index in range(self.backup_count - 1, 0, -1):
+                older = f"{self.path}.{index}"
+                if os.path.exists(older):
+                    os.replace(older, f"{self.path}.{index + 1}")
             os.replace(self.path, f"{self.path}.1")
-        else:
-            os.remove(self.path)
-        self._open()
+            self._said_rotation_failed = False
+        except OSError as error:
+            if not self._said_rotation_failed:  # said once until a rotation succeeds
+                self._said_rotation_failed = True
+                logger.warning("%r could not rotate (%s: %s); it appends to %s again",
+                               self, type(error).__name__, error, self.path)
+        finally:
+            self._open()
 
     def emit_frame(self, data: bytes, name: str) -> None:
         with self._lock:

@@ -101,6 +101,46 @@ def test_file_sink_rotates_and_keeps_every_record(tmp_path):
     assert steps == list(range(40))
 
 
+def _emit_steps(sink, steps, size=100):
+    """Records written through the sink as a receiver hands them over."""
+    for step in steps:
+        sink.emit(TapRecord(name="big", value={"x": np.full(size, step, np.float32)},
+                            step=step))
+
+
+def test_file_sink_rotation_deletes_only_past_backup_count_and_says_so(tmp_path, caplog):
+    path = tmp_path / "kept.hcbs"
+    sink = FileSink(path, max_bytes=2000, backup_count=2)  # a few records a file
+    with caplog.at_level(logging.WARNING, logger="hostcallback.sinks"):
+        _emit_steps(sink, range(40))
+    files = sorted(tmp_path.iterdir())
+    assert [f.name for f in files] == ["kept.hcbs", "kept.hcbs.1", "kept.hcbs.2"]
+    kept = sorted(r.step for f in files for r in read_records(f))
+    assert kept == list(range(40 - len(kept), 40))  # the newest, none missing between
+    deleted = [r.message for r in caplog.records if "its oldest file" in r.message]
+    assert len(deleted) == 1 and "backup_count=2" in deleted[0]
+
+
+@pytest.mark.parametrize("settings", [{"max_bytes": 2000, "backup_count": 0},
+                                      {"max_bytes": -1}])
+def test_file_sink_refuses_a_rotation_that_would_keep_no_file(tmp_path, settings):
+    with pytest.raises(ValueError, match="backup_count >= 1"):
+        FileSink(tmp_path / "s.hcbs", **settings)
+
+
+def test_file_sink_writes_on_when_its_file_is_moved_away_before_a_rotation(tmp_path, caplog):
+    path = tmp_path / "moved.hcbs"
+    sink = FileSink(path, max_bytes=2000)
+    _emit_steps(sink, range(2))
+    os.remove(path)  # a cleanup job, say: the rotation's rename fails
+    with caplog.at_level(logging.WARNING, logger="hostcallback.sinks"):
+        _emit_steps(sink, range(2, 30))
+    assert sum("could not rotate" in r.message for r in caplog.records) == 1
+    steps = sorted(r.step for f in tmp_path.iterdir() for r in read_records(f))
+    # Those written to the removed file before the rotation went with it; every later one is kept.
+    assert steps == list(range(steps[0], 30)) and len(steps) >= 15
+
+
 def test_file_sink_is_flushed_by_barrier_wait(tmp_path):
     sink = FileSink(tmp_path / "flushed.hcbs")
     jax.jit(lambda x: tap_to([sink], x, name="x"))(1.0)

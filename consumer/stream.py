@@ -294,6 +294,22 @@ class StreamReader:
         self._buffer += data
         return self._parse(final=False)
 
+    def unconsumed(self) -> tuple[int, bytes]:
+        """Where the bytes fed that no record was taken from yet start, and those bytes."""
+        return self._base, bytes(self._buffer)
+
+    def cut_back(self, size: int) -> None:
+        """The data was cut back to ``size`` bytes (a writer undoing a write the disk took only
+        in part): the bytes fed past it that no record was taken from are dropped, and what is
+        fed next continues from ``size``."""
+        if size >= self._base + len(self._buffer):
+            return
+        del self._buffer[max(0, size - self._base):]
+        self._base = min(self._base, size)
+        if self._damage is not None and self._damage[0] >= size:
+            self._damage = None
+        self._searched = (-1, 0)
+
     def finish(self) -> list[TapRecord]:
         """The records left in what was fed; reports a torn or damaged end as skipped."""
         records = self._parse(final=True)

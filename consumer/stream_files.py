@@ -115,8 +115,9 @@ def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
     """The records of a growing stream file, as they are written; follows rotation.
 
     When FileSink rotates ``path`` to ``path.1`` (once or many times between two looks), the rest
-    of the old file is read, then each newer file in turn. Damage is skipped and logged as in
-    read_records. Ends when ``should_stop()`` is true at the end of the data.
+    of the old file is read, then each newer file in turn; a file cut back in place is read on
+    from where it was cut. Damage is skipped and logged as in read_records. Ends when
+    ``should_stop()`` is true at the end of the data.
     """
     path = os.fspath(path)
     if storage.is_url(path):
@@ -124,17 +125,32 @@ def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
         return
     file = open(path, "rb")  # noqa: SIM115 (replaced as the stream rotates)
     reader = StreamReader(on_skip=_warn_skipped(path))
+    held_at_end = (0, b"")  # what the reader held unconsumed when it last reached the end
     try:
         while True:
             chunk = file.read(1 << 20)
             if chunk:
+                offset, held = held_at_end
+                held_at_end = (0, b"")
+                if held and os.pread(file.fileno(), len(held), offset) != held:
+                    # Cut back and written again since (the collector undoing a write the disk
+                    # took only in part): read on from where what we held was.
+                    reader.cut_back(offset)
+                    file.seek(offset)
+                    continue
                 yield from reader.feed(chunk)
                 continue
+            held_at_end = reader.unconsumed()
             try:
                 current = os.stat(path)
             except FileNotFoundError:  # between a rotation's rename and the new file
                 current = None
             opened = os.fstat(file.fileno())
+            if opened.st_size < file.tell():  # cut back in place (the collector undoing a
+                reader.cut_back(opened.st_size)  # write the disk took only in part)
+                file.seek(opened.st_size)
+                held_at_end = (0, b"")
+                continue
             if current is not None and current.st_ino != opened.st_ino:
                 chunk = file.read()  # a last write may have landed since
                 records = reader.feed(chunk) + reader.finish() if chunk else reader.finish()
@@ -146,6 +162,7 @@ def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
                 file.close()
                 file = following
                 reader = StreamReader(on_skip=_warn_skipped(file.name))
+                held_at_end = (0, b"")
                 continue
             if should_stop is not None and should_stop():
                 return

@@ -2,9 +2,11 @@
 rotation."""
 
 import io
+import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -168,6 +170,45 @@ def test_follow_records_follows_rotation(tmp_path):
         done.set()
         follower.join(10)
     assert seen == list(range(10))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("looked_between", [False, True],
+                         ids=["written again at once", "seen cut before"])
+def test_follow_records_reads_on_where_a_file_was_cut_back_in_place(tmp_path, caplog,
+                                                                     looked_between):
+    """The collector undoes a write the disk took only in part by cutting its file back: a
+    follower that read those bytes reads on from the cut, losing nothing that is on disk."""
+    path = tmp_path / "cut.hcbs"
+    frames = [stream.frame_item(record.to_map()) for record in RECORDS]
+    file = open(path, "ab", buffering=0)  # noqa: SIM115 - written piece by piece below
+    file.write(stream.frame_item(stream.stream_header()) + b"".join(frames[:3]))
+    seen, done = [], threading.Event()
+
+    def follow():
+        seen.extend(r.step for r in follow_records(path, poll_seconds=0.01,
+                                                   should_stop=done.is_set))
+
+    follower = threading.Thread(target=follow)
+    follower.start()
+    try:
+        wait_until(lambda: seen == [0, 1, 2], what="following the file")
+        cut = file.tell()
+        file.write(frames[3][:len(frames[3]) // 2])  # the disk took half the write ...
+        time.sleep(0.3)  # ... and the follower read it
+        os.truncate(path, cut)
+        file.seek(cut)
+        if looked_between:
+            time.sleep(0.3)
+        # Once there is room: a segment header, as the collector starts one, then the records.
+        file.write(stream.frame_item(stream.stream_header()) + b"".join(frames[3:]))
+        wait_until(lambda: len(seen) >= 10, what="reading on after the cut")
+    finally:
+        done.set()
+        follower.join(10)
+        file.close()
+    assert seen == list(range(10))
+    assert not [r for r in caplog.records if "skipped" in r.getMessage()]
 
 
 def test_cli_tail_of_a_damaged_file_reports_the_range_and_prints_the_rest(tmp_path):

@@ -171,13 +171,21 @@ def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
         file.close()
 
 
+def _names_a_stream(path: str) -> bool:
+    """Whether a stream (or its rotated files, or its parts) is at exactly ``path``."""
+    if storage.is_url(path):
+        return bool(storage.stream_parts(path, fresh=True))
+    return os.path.exists(path) or os.path.exists(path + ".1")
+
+
 def expand_streams(patterns: Iterable[str | os.PathLike]) -> list[str]:
     """The streams that paths, URLs and globs of them name, each once, in the order given (a
-    glob's matches sorted). A glob that matches nothing is a FileNotFoundError naming it."""
+    glob's matches sorted; a name with glob characters that is itself a stream is that stream).
+    A glob that matches nothing is a FileNotFoundError naming it."""
     streams: list[str] = []
     for pattern in map(os.fspath, patterns):
-        if not storage.has_glob(pattern):
-            found = [pattern]
+        if not storage.has_glob(pattern) or _names_a_stream(pattern):
+            found = [pattern]  # a stream named "sweep[lr=0.1].hcbs" is that stream
         elif storage.is_url(pattern):
             found = storage.matching_streams(pattern)
         else:
@@ -193,9 +201,18 @@ def merged_records(paths: Iterable[str | os.PathLike],
                    skipped: list[SkippedRange] | None = None) -> list[TapRecord]:
     """The records of many streams as one run: ordered by process, device and sequence, and
     where those are equal (streams of an older version have no sequence) as the streams are
-    given and each stream's records were written."""
-    keyed = [((record.process, record.device_id, record.sequence), n, i, record)
-             for n, stream in enumerate(expand_streams(paths))
-             for i, record in enumerate(read_stream(stream, skipped))]
+    given and each stream's records were written. A stream that holds several runs (a program
+    run again appends to its file, and its sequences start again) keeps each run whole, in the
+    order they were written."""
+    keyed = []
+    for n, stream in enumerate(expand_streams(paths)):
+        last: dict[tuple[int, int], int] = {}  # the last sequence of each process and device
+        runs: dict[tuple[int, int], int] = {}  # how often that sequence started again
+        for i, record in enumerate(read_stream(stream, skipped)):
+            source = (record.process, record.device_id)
+            if 0 <= record.sequence <= last.get(source, -1):
+                runs[source] = runs.get(source, 0) + 1
+            last[source] = record.sequence
+            keyed.append(((*source, runs.get(source, 0), record.sequence), n, i, record))
     keyed.sort(key=lambda item: item[:3])
     return [record for *_, record in keyed]

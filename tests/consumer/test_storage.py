@@ -136,6 +136,22 @@ def test_a_glob_of_urls_reads_every_stream_merged_by_process_device_and_sequence
         [(0, step) for step in range(10)] + [(1, step) for step in range(10)]
 
 
+def test_merging_streams_that_each_hold_two_runs_keeps_each_run_whole(tmp_path):
+    """The same program run twice appends to each process's file, its sequences from 0 again:
+    the merge gives each process's first run, then its second, never the two interleaved."""
+    for run in ("first", "second"):
+        for process in (0, 1):
+            sink = FileSink(tmp_path / f"{process}.hcbs")
+            for step in range(3):
+                sink.emit(TapRecord(name=run, value={"loss": 0.0}, step=step, process=process,
+                                    device_id=process, sequence=step))
+            sink.close()
+    records = merged_records([str(tmp_path / "*.hcbs")])
+    assert [(r.process, r.name, r.step) for r in records] == [
+        (process, run, step) for process in (0, 1) for run in ("first", "second")
+        for step in range(3)]
+
+
 def test_the_cli_tails_stats_and_plots_a_glob_of_urls(tmp_path, capsys):
     base = f"memory://hcb-{uuid.uuid4().hex}/run"
     for process in (0, 1):
@@ -365,3 +381,16 @@ def test_a_local_glob_names_each_stream_once_with_its_rotated_files(tmp_path):
     records = merged_records([str(tmp_path / "*.hcbs")])
     assert [(r.process, r.step) for r in records] == \
         [(0, step) for step in range(6)] + [(1, step) for step in range(6)]
+
+
+@pytest.mark.parametrize("where", ["local", "url"])
+def test_a_stream_whose_name_holds_glob_characters_is_read_by_that_name(tmp_path, capsys,
+                                                                        where):
+    name = "sweep[lr=0.1].hcbs"
+    path = str(tmp_path / name) if where == "local" else _url().replace("run.hcbs", name)
+    sink = FileSink(path)
+    _records(sink, 0, range(3))
+    sink.close()
+    assert expand_streams([path]) == [path]
+    assert cli(["tail", path]) == 0
+    assert capsys.readouterr().out.count("name: loss") == 3

@@ -355,6 +355,7 @@ class SocketSink(FrameSink):
             except OSError as error:
                 if self._abandoned:  # close() shut the socket down: it reports what was lost
                     break
+                stalled = connection is not None and isinstance(error, TimeoutError)
                 if connection is not None:
                     connection.close()
                     self.reconnects += 1
@@ -364,10 +365,14 @@ class SocketSink(FrameSink):
                 refused = isinstance(error, _Refused)
                 if refused and self._drop_too_large(error.refusal):
                     continue  # reconnect at once and send what follows it
-                self._report_problem(str(error) if refused
-                                     or isinstance(error, (_Unacknowledged, _ProtocolError))
-                                     else f"cannot reach the collector ({type(error).__name__}: "
-                                          f"{error})", refused)
+                if refused or isinstance(error, (_Unacknowledged, _ProtocolError)):
+                    problem = str(error)
+                elif stalled:  # connected, but our records went nowhere for _SEND_TIMEOUT
+                    problem = (f"the collector took no bytes for {_SEND_TIMEOUT:g} s, though "
+                               "connected (short of disk, or overloaded: its log says which)")
+                else:
+                    problem = f"cannot reach the collector ({type(error).__name__}: {error})"
+                self._report_problem(problem, refused)
                 with self._cond:
                     self._cond.wait_for(lambda: self._abandoned, 2.0 if refused else delay)
                 delay = min(delay * 2, 2.0)

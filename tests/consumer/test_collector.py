@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from helpers import free_port, wait_until
-from hostcallback.consumer import SocketSink, TapRecord, protocol, read_records, stream
+from hostcallback.consumer import SocketSink, TapRecord, protocol, read_records, socket_sink, stream
 from hostcallback.consumer.collector import (
     Collector,
     CollectorConfigError,
@@ -323,6 +323,22 @@ def test_low_disk_stops_writing_until_there_is_room(make_collector):
     server.collector.free_bytes = lambda: 1 << 40
     sink.flush(timeout=20)
     assert values_in(server.collector.path_for("disk")) == [0, 1, 2]
+    sink.close()
+
+
+def test_a_sender_says_a_collector_short_of_disk_takes_nothing_not_that_it_is_unreachable(
+        make_collector, monkeypatch):
+    monkeypatch.setattr(socket_sink, "_SEND_TIMEOUT", 1.0)
+    server = make_collector()
+    server.collector.free_bytes = lambda: 0  # it stops reading: the sender's sends stall
+    sink = SocketSink("127.0.0.1", server.port, run="disk")
+    for _ in range(24):  # 24 MiB: more than the sockets' buffers hold
+        sink.emit(TapRecord(name="big", value=np.zeros(1 << 18, np.float32)))
+    wait_until(lambda: sink.problem is not None, what="the sender to give up on a send")
+    assert "the collector took no bytes for 1 s, though connected" in sink.problem
+    assert "cannot reach" not in sink.problem
+    server.collector.free_bytes = lambda: 1 << 40
+    sink.flush(timeout=60)
     sink.close()
 
 

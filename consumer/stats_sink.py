@@ -28,8 +28,11 @@ class RunningStats:
     def add(self, value: float) -> None:
         self.count += 1
         self.total += value
-        self.minimum = min(self.minimum, value)
-        self.maximum = max(self.maximum, value)
+        if math.isnan(value) or math.isnan(self.minimum):  # NaN, as the mean: a run diverged
+            self.minimum = self.maximum = math.nan
+        else:
+            self.minimum = min(self.minimum, value)
+            self.maximum = max(self.maximum, value)
         self.last = value
 
     def as_dict(self) -> dict[str, float]:

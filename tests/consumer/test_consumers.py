@@ -1,6 +1,7 @@
 """Consumers: the record stream, file/logging/stats/socket sinks and the collector, for real."""
 
 import logging
+import math
 import os
 import signal
 import socket
@@ -180,6 +181,16 @@ def test_stats_sink_keeps_count_mean_min_max_last():
     hcb.barrier_wait()
     assert stats.summary() == {"train.loss": {
         "count": 4, "mean": 8.5, "min": 7.0, "max": 10.0, "last": 7.0}}
+
+
+@pytest.mark.parametrize("losses", [[0.5, math.nan, 0.25], [math.nan, 1.0]],
+                         ids=["NaN later", "NaN first"])
+def test_stats_sink_min_and_max_are_nan_once_a_value_is_as_the_mean(losses):
+    stats = StatsSink()
+    for loss in losses:
+        stats.emit(TapRecord(name="train", value={"loss": np.float32(loss)}))
+    summary = stats.summary()["train.loss"]
+    assert all(math.isnan(summary[key]) for key in ("mean", "min", "max"))
 
 
 def test_socket_sink_streams_to_the_collector_tagged_with_its_source(collector_server):

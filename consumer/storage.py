@@ -11,6 +11,7 @@ fsspec is an optional dependency (the ``storage`` extra); local paths never need
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
 import os
@@ -110,17 +111,20 @@ def _link_new(path: str, data: bytes) -> None:
     """Writes ``path``, which must not exist, so that it appears with all of ``data``."""
     folder, name = os.path.split(path)
     aside = os.path.join(folder, f".{name}.{os.getpid()}-{threading.get_ident()}.writing")
-    with open(aside, "wb") as file:
-        file.write(data)
     try:
+        with open(aside, "wb") as file:
+            file.write(data)
         os.link(aside, path)  # FileExistsError if another writer made it first
     except FileExistsError:
         raise
-    except OSError:  # a filesystem without hard links: created exclusively, written in place
-        with open(path, "xb") as file:
-            file.write(data)
+    except OSError:
+        if not os.path.exists(aside) or os.path.getsize(aside) != len(data):
+            raise  # the data could not be written (a full disk, a read-only folder)
+        with open(path, "xb") as file:  # a filesystem without hard links: created
+            file.write(data)  # exclusively, written in place
     finally:
-        os.unlink(aside)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(aside)
 
 
 def follow_parts(url: str, read: Callable[[str], Iterator[Any]], poll_seconds: float,

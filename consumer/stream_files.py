@@ -132,6 +132,7 @@ def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
             if chunk:
                 offset, held = held_at_end
                 held_at_end = (0, b"")
+                held = held[:4096]  # where a cut was written over, its first bytes differ
                 if held and os.pread(file.fileno(), len(held), offset) != held:
                     # Cut back and written again since (the collector undoing a write the disk
                     # took only in part): read on from where what we held was.

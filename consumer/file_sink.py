@@ -8,6 +8,7 @@ never rewrites what it wrote: rotation renames files (``path`` to ``path.1``, ..
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -90,7 +91,8 @@ class FileSink(FrameSink):
         directory = os.path.dirname(self.path)
         if directory:
             os.makedirs(directory, exist_ok=True)
-        self._file = open(self.path, "ab")  # noqa: SIM115 - held open until close()
+        # Unbuffered: a write that fails is undone whole (_append), none is left to go later.
+        self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 - open until close()
         # A header on every open: appending to an older file (even version 1) stays readable.
         self._writer = StreamWriter(self._file)
 
@@ -141,16 +143,38 @@ class FileSink(FrameSink):
         if self._parts is not None:
             self._parts.write(frames)
             return
-        if self.max_bytes:  # rotation is decided frame by frame
-            for data in frames:
-                if self._file.tell() + len(data) > self.max_bytes and self._file.tell() > 0:
-                    self._rotate()
-                self._file.write(data)
-        else:
-            self._file.write(b"".join(frames))
-        # Handed to the operating system with each batch (one write): a process killed or
-        # aborted from now on loses none of the records it was given.
-        self._file.flush()
+        # Each batch goes to the operating system in one write (between rotations, which are
+        # decided frame by frame): a process killed or aborted from now on loses none of them.
+        batch: list[bytes] = []
+        size = self._file.tell()
+        for data in frames:
+            if self.max_bytes and size + len(data) > self.max_bytes and size > 0:
+                self._append(batch)
+                batch = []
+                self._rotate()
+                size = self._file.tell()
+            batch.append(data)
+            size += len(data)
+        self._append(batch)
+
+    def _append(self, frames: list[bytes]) -> None:
+        """Writes whole frames, or none of them: a write the disk takes only in part (full, a
+        quota) is cut back off and raised, so the file never holds a torn frame, and no record
+        said to be lost is written later."""
+        if not frames:
+            return
+        before = self._file.tell()
+        try:
+            with memoryview(b"".join(frames)) as data:
+                written = 0
+                while written < len(data):
+                    written += self._file.write(data[written:])
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                self._file.truncate(before)
+                self._file.seek(before)  # else tell() stays past the end and misleads the next
+            raise OSError(error.errno, f"{self!r} could not write {len(frames)} record(s) "
+                          f"({error.strerror or error}); they are lost") from error
 
     def flush(self) -> None:
         with self._lock:

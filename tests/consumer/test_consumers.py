@@ -1,5 +1,6 @@
 """Consumers: the record stream, file/logging/stats/socket sinks and the collector, for real."""
 
+import json
 import logging
 import math
 import os
@@ -140,6 +141,42 @@ def test_file_sink_writes_on_when_its_file_is_moved_away_before_a_rotation(tmp_p
     steps = sorted(r.step for f in tmp_path.iterdir() for r in read_records(f))
     # Those written to the removed file before the rotation went with it; every later one is kept.
     assert steps == list(range(steps[0], 30)) and len(steps) >= 15
+
+
+def test_file_sink_on_a_full_disk_loses_exactly_the_records_it_says(tmp_path):
+    """RLIMIT_FSIZE stands in for a full disk: a write that crosses it is short, then fails.
+    The records whose write failed are said lost and are not in the file, even once there is
+    room again; every other record reads back, and no torn frame is left between them."""
+    path = tmp_path / "full.hcbs"
+    result = run_python(f"""
+        import json, resource, signal
+        import numpy as np
+        from hostcallback.consumer import FileSink, TapRecord
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        sink = FileSink({str(path)!r})
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        failed = []
+        for step in range(25):
+            if step == 20:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))  # room again
+            elif step == 4:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (3000, hard))
+            try:
+                sink.emit(TapRecord(name="x", value={{"v": np.zeros(100, np.float32)}},
+                                    step=step))
+            except OSError as error:
+                assert "they are lost" in str(error), error
+                failed.append(step)
+        sink.close()
+        print(json.dumps(failed))
+    """)
+    assert result.returncode == 0, result.stderr[-2000:]
+    failed = json.loads(result.stdout.splitlines()[-1])
+    assert failed and 20 not in failed
+    skipped = []
+    steps = [r.step for r in read_records(path, skipped)]
+    assert steps == [step for step in range(25) if step not in failed]
+    assert skipped == []
 
 
 def test_file_sink_is_flushed_by_barrier_wait(tmp_path):

@@ -18,6 +18,7 @@ import os
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -88,7 +89,10 @@ def matching_streams(pattern: str) -> list[str]:
     fs, path = filesystem(pattern)
     fs.invalidate_cache()
     bases = set()
+    hidden_named = os.path.basename(path).startswith(".")
     for found in fs.glob(path) + fs.glob(path + PART + "*"):
+        if os.path.basename(found).startswith(".") and not hidden_named:
+            continue  # a part being written aside (_link_new), as a shell's * leaves it out
         number = _part_number(found)
         base = found[:-len(part_path("", number))] if number is not None else found
         if fnmatch.fnmatchcase(base, path.lstrip("/")) or fnmatch.fnmatchcase(base, path):
@@ -110,7 +114,7 @@ def open_url(url: str):
 def _link_new(path: str, data: bytes) -> None:
     """Writes ``path``, which must not exist, so that it appears with all of ``data``."""
     folder, name = os.path.split(path)
-    aside = os.path.join(folder, f".{name}.{os.getpid()}-{threading.get_ident()}.writing")
+    aside = os.path.join(folder, f".{name}.{uuid.uuid4().hex}.writing")  # listed by no reader
     try:
         with open(aside, "wb") as file:
             file.write(data)
@@ -240,10 +244,9 @@ class PartWriter:
                     self._next_number = max(numbers, default=-1) + 1
                 part = part_path(self.path, self._next_number)
                 target = self.fs.unstrip_protocol(part)
-                self._write_new(part, data)
-            except FileExistsError:  # another writer on this URL took the number: the next
-                self._next_number += 1
-                continue
+                if not self._write_new(part, data):  # another writer on this URL took the
+                    self._next_number += 1  # number: the next
+                    continue
             except Exception as error:  # noqa: BLE001 - credentials, network, a missing bucket
                 self._next_try = time.monotonic() + self.retry_seconds
                 kept = sum(records for _, records in self._waiting)
@@ -253,20 +256,24 @@ class PartWriter:
             self._waiting.pop(0)
             self._next_number += 1
 
-    def _write_new(self, part: str, data: bytes) -> None:
-        """Writes a part that does not exist yet, or raises FileExistsError: two writers on one
+    def _write_new(self, part: str, data: bytes) -> bool:
+        """Writes a part that does not exist yet, or returns False: two writers on one
         URL (processes without ``{process}``, a restarted one while the old one flushes) do not
         overwrite each other's parts. A local part is linked into place whole, so a follower
         never reads one half written; in a store, a write that races another's within the
         moment between its check and its upload is the window left (exclusive writes are not
         supported alike by the S3-compatible stores)."""
         if _is_local(self.fs):
-            _link_new(part, data)
-            return
+            try:
+                _link_new(part, data)
+            except FileExistsError:
+                return False
+            return True
         self.fs.invalidate_cache(part)
         if self.fs.exists(part):
-            raise FileExistsError(part)
+            return False
         self.fs.pipe_file(part, data)
+        return True
 
     def _drop_past_bound(self) -> None:
         """Past ``buffer_bytes`` of parts not written, the oldest go (the newest stays)."""

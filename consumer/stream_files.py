@@ -207,13 +207,18 @@ def merged_records(paths: Iterable[str | os.PathLike],
     order they were written."""
     keyed = []
     for n, stream in enumerate(expand_streams(paths)):
-        last: dict[tuple[int, int], int] = {}  # the last sequence of each process and device
-        runs: dict[tuple[int, int], int] = {}  # how often that sequence started again
+        # Per process and device: the first sequence of its run so far, and how many runs
+        # began before it. Only a sequence at or below that first one begins a new run: two
+        # senders of one device (a collected run) interleave batches of one run.
+        first: dict[tuple[int, int], int] = {}
+        runs: dict[tuple[int, int], int] = {}
         for i, record in enumerate(read_stream(stream, skipped)):
             source = (record.process, record.device_id)
-            if 0 <= record.sequence <= last.get(source, -1):
+            if 0 <= record.sequence <= first.get(source, -1):
                 runs[source] = runs.get(source, 0) + 1
-            last[source] = record.sequence
+                first[source] = record.sequence
+            elif source not in first:
+                first[source] = record.sequence
             keyed.append(((*source, runs.get(source, 0), record.sequence), n, i, record))
     keyed.sort(key=lambda item: item[:3])
     return [record for *_, record in keyed]

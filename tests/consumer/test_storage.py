@@ -17,7 +17,7 @@ import pytest
 
 import hostcallback as hcb
 from helpers import ROOT, free_port, run_python
-from hostcallback.consumer import FileSink, file_sink, tap_to
+from hostcallback.consumer import FileSink, file_sink, stream, tap_to
 from hostcallback.consumer.__main__ import main as cli
 from hostcallback.consumer.storage import stream_parts
 from hostcallback.consumer.stream import TapRecord
@@ -150,6 +150,38 @@ def test_merging_streams_that_each_hold_two_runs_keeps_each_run_whole(tmp_path):
     assert [(r.process, r.name, r.step) for r in records] == [
         (process, run, step) for process in (0, 1) for run in ("first", "second")
         for step in range(3)]
+
+
+def test_merging_keeps_one_run_whose_senders_interleaved_their_batches(tmp_path):
+    """A collected run fed by two sinks of one process (two taps of one device, sharing its
+    sequence) holds batches 0,2,4 | 1,3,5 | 6,8 | 7,9: one run, merged in sequence order."""
+    path = tmp_path / "run.hcbs"
+    with open(path, "wb") as file:
+        writer = stream.StreamWriter(file)
+        for sequence in [0, 2, 4, 1, 3, 5, 6, 8, 7, 9]:
+            writer.write(TapRecord(name="loss", value=0.0, process=0, device_id=0,
+                                   sequence=sequence))
+    assert [r.sequence for r in merged_records([str(path)])] == list(range(10))
+
+
+def test_a_part_being_written_aside_is_no_stream_of_a_glob(tmp_path):
+    url = f"file://{tmp_path}/run.hcbs"
+    sink = FileSink(url)
+    _records(sink, 0, range(3))
+    sink.close()
+    # What a writer killed between writing a part aside and linking it into place leaves.
+    (tmp_path / ".run.hcbs.part-000001.0123.writing").write_bytes(
+        (tmp_path / "run.hcbs.part-000000").read_bytes())
+    for pattern in (f"file://{tmp_path}/*", str(tmp_path / "*")):
+        assert [r.step for r in merged_records([pattern])] == [0, 1, 2]
+
+
+def test_a_file_where_a_urls_folder_should_be_is_the_stores_error(tmp_path):
+    (tmp_path / "taken").write_text("a file, not a folder")
+    sink = FileSink(f"file://{tmp_path}/taken/run.hcbs")
+    _records(sink, 0, range(2))
+    with pytest.raises(OSError, match="writing .*taken/run.hcbs failed .*File exists"):
+        sink.flush()
 
 
 def test_the_cli_tails_stats_and_plots_a_glob_of_urls(tmp_path, capsys):

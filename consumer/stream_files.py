@@ -11,6 +11,7 @@ stream.
 
 from __future__ import annotations
 
+import collections
 import glob
 import logging
 import os
@@ -90,16 +91,27 @@ def _listing(path: str) -> list[tuple[str, int]] | None:
         return None
 
 
-def _open_next(path: str, inode: int) -> BinaryIO:
-    """The file written after the one with ``inode``, once ``path`` rotated (maybe many times)."""
+def _modified(name: str) -> int:
+    try:
+        return os.stat(name).st_mtime_ns
+    except FileNotFoundError:
+        return -1
+
+
+def _open_next(path: str, inode: int, last_written: int) -> BinaryIO:
+    """The file written after the one with ``inode`` (last written at ``last_written``, in ns),
+    once ``path`` rotated (maybe many times) or that file was deleted."""
     while True:
         listing = _listing(path)
         if listing is None or listing != _listing(path):  # only a listing that holds still
             time.sleep(0.01)
             continue
         inodes = [number for _, number in listing]
-        # If ours was rotated away, every file left is newer: the oldest comes next.
-        index = inodes.index(inode) + 1 if inode in inodes else 0
+        if inode in inodes:
+            index = inodes.index(inode) + 1
+        else:  # rotated away, or deleted by someone else: the oldest written since
+            index = next((i for i, (name, _) in enumerate(listing)
+                          if _modified(name) >= last_written), len(listing) - 1)
         name, expected = listing[min(index, len(listing) - 1)]
         try:
             file = open(name, "rb")  # noqa: SIM115 (the caller owns it)
@@ -110,14 +122,75 @@ def _open_next(path: str, inode: int) -> BinaryIO:
         file.close()
 
 
+# How far back a follower checks that what it read is still on disk: a writer that cuts its
+# file back (undoing a write the disk took only in part) cuts within its last write.
+_CHECKED_BYTES = 1 << 20
+
+
+class _ReadWindow:
+    """The bytes a follower read lately, from a frame boundary on (at least _CHECKED_BYTES of
+    them, when there are): where the file was cut back and written again, the first byte on
+    disk that differs from them says where reading goes on."""
+
+    def __init__(self, start: int = 0, data: bytes = b"") -> None:
+        self.boundaries = collections.deque([start])  # frame boundaries, the first its start
+        self.keys: collections.deque[set] = collections.deque()  # of the records after each
+        self.data = bytearray(data)
+
+    @property
+    def start(self) -> int:
+        return self.boundaries[0]
+
+    def add(self, chunk: bytes, boundary: int, records: list[TapRecord]) -> None:
+        """``chunk`` read and ``records`` taken from it, after which ``boundary`` is where the
+        reader's next frame starts."""
+        self.data += chunk
+        self.boundaries.append(boundary)
+        self.keys.append({_key(record) for record in records})
+        end = self.start + len(self.data)
+        while len(self.boundaries) > 1 and end - self.boundaries[1] > _CHECKED_BYTES:
+            self.boundaries.popleft()
+            self.keys.popleft()
+        del self.data[:self.start - (end - len(self.data))]
+
+    def changed_on(self, file: BinaryIO) -> bool:
+        """Whether the file no longer holds these bytes (its first 4 KiB and last
+        _CHECKED_BYTES are compared: a cut written over differs where it was cut)."""
+        tail = max(0, len(self.data) - _CHECKED_BYTES)
+        fd = file.fileno()
+        return (os.pread(fd, min(4096, len(self.data)), self.start) != self.data[:4096]
+                or os.pread(fd, len(self.data) - tail, self.start + tail) != self.data[tail:])
+
+    def read_on_from_the_cut(self, file: BinaryIO,
+                             reader: StreamReader) -> tuple[_ReadWindow, set]:
+        """Takes ``reader`` and ``file`` back to where the file first differs from what was
+        read; the records of the frames before it, already yielded, are read again and
+        dropped. Returns the window from there, and the keys of the records yielded from
+        what was cut off (a writer that writes them again, as the collector does, should not
+        have them yielded twice)."""
+        on_disk = os.pread(file.fileno(), len(self.data), self.start)
+        same = on_disk[:len(os.path.commonprefix([on_disk, bytes(self.data)]))]
+        reader.cut_back(self.start)
+        kept = {_key(record) for record in reader.feed(same)}  # yielded, and still there
+        file.seek(self.start + len(same))
+        return _ReadWindow(self.start, same), set().union(*self.keys) - kept
+
+
+def _key(record: TapRecord) -> tuple | None:
+    """What tells a record from others of its stream: where it came from and its sequence
+    (None for streams of an older version, which have no sequence)."""
+    return (record.process, record.device_id, record.sequence) if record.sequence >= 0 else None
+
+
 def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
                    should_stop: Callable[[], bool] | None = None) -> Iterator[TapRecord]:
     """The records of a growing stream file, as they are written; follows rotation.
 
     When FileSink rotates ``path`` to ``path.1`` (once or many times between two looks), the rest
-    of the old file is read, then each newer file in turn; a file cut back in place is read on
-    from where it was cut. Damage is skipped and logged as in read_records. Ends when
-    ``should_stop()`` is true at the end of the data.
+    of the old file is read, then each newer file in turn. Where a file is cut back in place
+    (a writer undoing a write the disk took only in part) and maybe written again, reading goes
+    on from where it differs from what was read. Damage is skipped and logged as in
+    read_records. Ends when ``should_stop()`` is true at the end of the data.
     """
     path = os.fspath(path)
     if storage.is_url(path):
@@ -125,32 +198,30 @@ def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
         return
     file = open(path, "rb")  # noqa: SIM115 (replaced as the stream rotates)
     reader = StreamReader(on_skip=_warn_skipped(path))
-    held_at_end = (0, b"")  # what the reader held unconsumed when it last reached the end
+    window, cut_off = _ReadWindow(), set()  # cut_off: keys of records yielded, then cut off
     try:
         while True:
             chunk = file.read(1 << 20)
             if chunk:
-                offset, held = held_at_end
-                held_at_end = (0, b"")
-                held = held[:4096]  # where a cut was written over, its first bytes differ
-                if held and os.pread(file.fileno(), len(held), offset) != held:
-                    # Cut back and written again since (the collector undoing a write the disk
-                    # took only in part): read on from where what we held was.
-                    reader.cut_back(offset)
-                    file.seek(offset)
+                if window.changed_on(file):  # cut back, and written again since
+                    window, cut_off = window.read_on_from_the_cut(file, reader)
                     continue
-                yield from reader.feed(chunk)
+                records = reader.feed(chunk)
+                window.add(chunk, reader.unconsumed()[0], records)
+                for record in records:
+                    key = _key(record)
+                    if key is None or key not in cut_off:
+                        yield record
+                    else:
+                        cut_off.discard(key)  # written again: yielded once already
                 continue
-            held_at_end = reader.unconsumed()
             try:
                 current = os.stat(path)
             except FileNotFoundError:  # between a rotation's rename and the new file
                 current = None
             opened = os.fstat(file.fileno())
-            if opened.st_size < file.tell():  # cut back in place (the collector undoing a
-                reader.cut_back(opened.st_size)  # write the disk took only in part)
-                file.seek(opened.st_size)
-                held_at_end = (0, b"")
+            if opened.st_size < file.tell():  # cut back, not written again yet
+                window, cut_off = window.read_on_from_the_cut(file, reader)
                 continue
             if current is not None and current.st_ino != opened.st_ino:
                 chunk = file.read()  # a last write may have landed since
@@ -159,11 +230,11 @@ def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
                 # Open the next file while the old one is still open: its inode cannot be
                 # reused by a newer file meanwhile (rotation deletes the oldest), which would make
                 # _open_next take the newer file for the old one.
-                following = _open_next(path, opened.st_ino)
+                following = _open_next(path, opened.st_ino, opened.st_mtime_ns)
                 file.close()
                 file = following
                 reader = StreamReader(on_skip=_warn_skipped(file.name))
-                held_at_end = (0, b"")
+                window, cut_off = _ReadWindow(), set()
                 continue
             if should_stop is not None and should_stop():
                 return

@@ -6,13 +6,13 @@ import os
 import subprocess
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
 
 from helpers import wait_until
 from hostcallback.consumer import FileSink, TapRecord, read_records, stream
+from hostcallback.consumer import stream_files as stream_files_module
 from hostcallback.consumer.stream import SkippedRange
 from hostcallback.consumer.stream_files import follow_records, read_stream, stream_files
 
@@ -172,43 +172,58 @@ def test_follow_records_follows_rotation(tmp_path):
     assert seen == list(range(10))
 
 
-@pytest.mark.timeout(60)
+def _follow_while(path, actions, monkeypatch) -> list[int]:
+    """The steps follow_records yields of ``path`` while ``actions`` run, one at each of its
+    looks for more (where it would sleep), in this thread: no timing involved."""
+    done = []
+    monkeypatch.setattr(stream_files_module.time, "sleep",
+                        lambda _: actions.pop(0)() if actions else done.append(True))
+    return steps(follow_records(path, should_stop=lambda: bool(done)))
+
+
 @pytest.mark.parametrize("looked_between", [False, True],
                          ids=["written again at once", "seen cut before"])
-def test_follow_records_reads_on_where_a_file_was_cut_back_in_place(tmp_path, caplog,
-                                                                     looked_between):
-    """The collector undoes a write the disk took only in part by cutting its file back: a
-    follower that read those bytes reads on from the cut, losing nothing that is on disk."""
+def test_follow_records_reads_on_where_a_file_was_cut_back_in_place(tmp_path, monkeypatch,
+                                                                     caplog, looked_between):
+    """A collector whose write the disk took only in part (records 3 and 4 whole, half of 5)
+    cuts its file back to where that write began and, once there is room, writes a segment
+    header and records 3 to 6 again: a follower yields each record once, and no damage."""
     path = tmp_path / "cut.hcbs"
-    frames = [stream.frame_item(record.to_map()) for record in RECORDS]
-    file = open(path, "ab", buffering=0)  # noqa: SIM115 - written piece by piece below
+    frames = [stream.frame_item(TapRecord(name="x", step=i, sequence=i,
+                                          value=np.arange(i + 1)).to_map()) for i in range(7)]
+    file = open(path, "ab", buffering=0)  # noqa: SIM115 - written by the actions below
     file.write(stream.frame_item(stream.stream_header()) + b"".join(frames[:3]))
-    seen, done = [], threading.Event()
+    cut = file.tell()
 
-    def follow():
-        seen.extend(r.step for r in follow_records(path, poll_seconds=0.01,
-                                                   should_stop=done.is_set))
-
-    follower = threading.Thread(target=follow)
-    follower.start()
-    try:
-        wait_until(lambda: seen == [0, 1, 2], what="following the file")
-        cut = file.tell()
-        file.write(frames[3][:len(frames[3]) // 2])  # the disk took half the write ...
-        time.sleep(0.3)  # ... and the follower read it
+    def cut_back():
         os.truncate(path, cut)
         file.seek(cut)
-        if looked_between:
-            time.sleep(0.3)
-        # Once there is room: a segment header, as the collector starts one, then the records.
+
+    def write_again():
         file.write(stream.frame_item(stream.stream_header()) + b"".join(frames[3:]))
-        wait_until(lambda: len(seen) >= 10, what="reading on after the cut")
-    finally:
-        done.set()
-        follower.join(10)
-        file.close()
-    assert seen == list(range(10))
+
+    actions = [lambda: file.write(frames[3] + frames[4] + frames[5][:len(frames[5]) // 2])]
+    actions += [cut_back, write_again] if looked_between else \
+        [lambda: (cut_back(), write_again())]
+    with file:
+        assert _follow_while(path, actions, monkeypatch) == list(range(7))
     assert not [r for r in caplog.records if "skipped" in r.getMessage()]
+
+
+def test_follow_records_goes_on_to_the_new_file_when_its_file_is_deleted(tmp_path,
+                                                                         monkeypatch):
+    """A cleanup job deletes the file followed; the sink's next rotation fails, and it opens
+    the path again: the follower goes on there, not to the older rotated files."""
+    path = tmp_path / "s.hcbs"
+    sink = FileSink(path, max_bytes=250, backup_count=20)  # a record or two a file
+    for record in RECORDS[:5]:
+        sink.emit(record)
+    assert (tmp_path / "s.hcbs.2").exists()
+    already = steps(read_records(path))
+    actions = [lambda: os.remove(path),
+               lambda: [sink.emit(record) for record in RECORDS[5:]]]
+    seen = _follow_while(path, actions, monkeypatch)
+    assert seen == already + list(range(5, 10))
 
 
 def test_cli_tail_of_a_damaged_file_reports_the_range_and_prints_the_rest(tmp_path):

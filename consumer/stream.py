@@ -294,9 +294,10 @@ class StreamReader:
         self._buffer += data
         return self._parse(final=False)
 
-    def unconsumed(self) -> tuple[int, bytes]:
-        """Where the bytes fed that no record was taken from yet start, and those bytes."""
-        return self._base, bytes(self._buffer)
+    @property
+    def next_frame_at(self) -> int:
+        """Where the bytes fed that no record was taken from yet start (a frame boundary)."""
+        return self._base
 
     def cut_back(self, size: int) -> None:
         """The data was cut back to ``size`` bytes (a writer undoing a write the disk took only

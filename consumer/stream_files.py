@@ -207,7 +207,7 @@ def follow_records(path: str | os.PathLike, poll_seconds: float = 0.2,
                     window, cut_off = window.read_on_from_the_cut(file, reader)
                     continue
                 records = reader.feed(chunk)
-                window.add(chunk, reader.unconsumed()[0], records)
+                window.add(chunk, reader.next_frame_at, records)
                 for record in records:
                     key = _key(record)
                     if key is None or key not in cut_off:

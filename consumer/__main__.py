@@ -182,7 +182,16 @@ def _count(text: str) -> int:
     if count < 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0: give how many "
                                          "records to show")
-    return count
+    return min(count, sys.maxsize)  # more than any stream holds: all of them
+
+
+def _image_file(text: str) -> str:
+    """An image file name whose suffix picks the format (matplotlib would add .png to one
+    without, and write somewhere else than the name given)."""
+    if not os.path.splitext(os.path.basename(text))[1] or os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an image file name: give one with its "
+                                         "format's suffix, such as loss.png, loss.svg, loss.pdf")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -228,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     plot_parser.add_argument("--name", action="append", metavar="SERIES",
                              help="series to draw, as `stats` lists them (train.loss), or a "
                              "glob (train.*); repeat for several (default: every series)")
-    plot_parser.add_argument("-o", "--output", required=True,
+    plot_parser.add_argument("-o", "--output", required=True, type=_image_file,
                              help="image file to write; its suffix picks the format (.png, "
                              ".svg, .pdf)")
     plot_parser.add_argument("--logy", action="store_true", help="logarithmic y axis")

@@ -24,12 +24,23 @@ from .collector import (
 from .protocol import TOKEN_VARIABLE
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port (0 to 65535; 0 picks a "
+                                         "free one)")
+    return port
+
+
 def add_collect_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = CollectorLimits()
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1; another needs a token "
                              "or --insecure)")
-    parser.add_argument("--port", type=int, required=True, help="TCP port; 0 picks a free one")
+    parser.add_argument("--port", type=_port, required=True, help="TCP port; 0 picks a free one")
     parser.add_argument("--out", required=True, help="directory for the run files")
     parser.add_argument("--token-file", help=f"file holding the shared token (else "
                                              f"${TOKEN_VARIABLE}); never printed")

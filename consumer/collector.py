@@ -32,6 +32,7 @@ import collections
 import dataclasses
 import ipaddress
 import logging
+import math
 import os
 import re
 import shutil
@@ -102,6 +103,22 @@ class CollectorLimits:
     # must not hold a slot forever. SocketSink sends a heartbeat every 30 s when it has nothing.
     idle_seconds: float = 300.0
 
+    def __post_init__(self) -> None:
+        for name in ("max_record_bytes", "max_clients", "max_open_runs"):
+            _check_limit(name, getattr(self, name), minimum=1)
+        _check_limit("min_free_bytes", self.min_free_bytes, minimum=0)
+        for name in ("stall_seconds", "idle_seconds"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise CollectorConfigError(f"{name} (--{name.replace('_', '-')}) must be a "
+                                           f"positive number of seconds, got {value!r}")
+
+
+def _check_limit(name: str, value: object, minimum: int) -> None:
+    if not isinstance(value, int) or not minimum <= value < 1 << 63:
+        raise CollectorConfigError(f"{name} (--{name.replace('_', '-')}) must be a whole number "
+                                   f"of at least {minimum}, got {value!r}")
+
 
 class CollectorConfigError(ValueError):
     """A collector setting that would be unsafe or cannot work."""
@@ -118,6 +135,9 @@ def is_loopback(host: str) -> bool:
 
 def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
     """A server context from a certificate chain and its key (PEM files), for Collector(tls=)."""
+    for name in (cert_file, key_file):
+        if not os.path.isfile(name):
+            raise CollectorConfigError(f"no such TLS file: {name}")
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(cert_file, key_file)
     return context
@@ -126,8 +146,12 @@ def tls_context(cert_file: str, key_file: str) -> ssl.SSLContext:
 def read_token(token_file: str | None = None) -> str | None:
     """The shared token from ``token_file`` or the HOSTCALLBACK_COLLECTOR_TOKEN variable."""
     if token_file:
-        with open(token_file, encoding="utf-8") as file:
-            token = file.read().strip()
+        try:
+            with open(token_file, encoding="utf-8") as file:
+                token = file.read().strip()
+        except UnicodeDecodeError:
+            raise CollectorConfigError(f"the token file {token_file} is not text (UTF-8): "
+                                       "write the token as a line of text") from None
         if not token:
             raise CollectorConfigError(f"the token file {token_file} is empty")
         return token

@@ -210,6 +210,21 @@ def test_cli_refuses_a_smoothing_weight_out_of_range(two_devices, tmp_path):
     assert result.returncode == 2 and "is not a number in [0, 1)" in result.stderr
 
 
+@pytest.mark.parametrize("output", ["loss", "folder/", "."], ids=["no suffix", "folder/", "."])
+def test_cli_plot_refuses_an_output_that_is_no_image_file_name(two_devices, tmp_path, output):
+    """matplotlib would write ``loss.png`` (or ``folder/.png``) and the command say ``loss``."""
+    (tmp_path / "folder").mkdir()
+    result = cli("plot", str(two_devices), "-o", output, cwd=tmp_path)
+    assert result.returncode == 2 and "is not an image file name" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder", "pod.hcbs"]
+    assert not list((tmp_path / "folder").iterdir())
+
+
+def test_cli_tail_takes_a_count_beyond_any_stream_as_all(two_devices):
+    result = cli("tail", "-n", str(1 << 64), str(two_devices))
+    assert result.returncode == 0 and result.stdout.count("name: train") == 20
+
+
 @pytest.mark.parametrize("command", [["tail"], ["stats"], ["plot", "--name", "x", "-o", "x.png"]])
 def test_a_missing_file_is_one_line_on_stderr_and_exit_code_1(command, tmp_path):
     missing = str(tmp_path / "missing.hcbs")

@@ -661,6 +661,25 @@ def test_collect_on_a_port_in_use_says_so_in_one_line(tmp_path):
     assert "address already in use" in result.stderr and "--port 0" in result.stderr
 
 
+@pytest.mark.parametrize("option", [
+    ["--max-open-runs", "0"], ["--max-clients", "0"], ["--max-record-bytes", "-1"],
+    ["--min-free-bytes", "-1"], ["--stall-seconds", "-1"], ["--idle-seconds", "nan"],
+    ["--port", "99999"], ["--port", "-1"], ["--token-file", "binary.token"],
+    ["--tls-cert", "missing.pem", "--tls-key", "missing.key"]])
+def test_collect_refuses_a_setting_that_cannot_work_in_one_line(tmp_path, option):
+    """Before, a collector started with such a limit crashed on every connection (every
+    record lost), and a bad port or token file ended in a traceback."""
+    (tmp_path / "binary.token").write_bytes(bytes(range(128, 256)))
+    result = subprocess.run([sys.executable, "-m", "hostcallback.consumer", "collect",
+                             "--port", "0", "--out", str(tmp_path / "out"), *option],
+                            capture_output=True, text=True, timeout=60, check=False,
+                            cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    said = result.stderr.strip().splitlines()[-1]  # after argparse's usage, where it prints one
+    assert option[0] in said or "token file" in said or "no such TLS file" in said, said
+
+
 def test_collect_without_a_token_beyond_loopback_says_what_to_do(tmp_path, monkeypatch):
     monkeypatch.delenv(protocol.TOKEN_VARIABLE, raising=False)
     result = subprocess.run([sys.executable, "-m", "hostcallback.consumer", "collect", "--host",

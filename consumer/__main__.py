@@ -131,7 +131,8 @@ def tail(paths: str | list[str], follow: bool, poll_seconds: float = 0.2, out=No
 
 def stats(paths: str | list[str]) -> str | None:
     """The per-series table over all records, then, when records come from more than one
-    source (process/device), the same table per source; None when there are no records."""
+    source (process/device), the same table per source; None when there are no records, and
+    "" when none holds a number."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else paths
     merged, per_source = StatsSink(), collections.defaultdict(StatsSink)
     for path in expand_streams(paths):
@@ -140,6 +141,8 @@ def stats(paths: str | list[str]) -> str | None:
             per_source[source_of(record)].emit(record)
     if not per_source:
         return None
+    if not merged.summary():
+        return ""
     text = format_table(merged.summary())
     if len(per_source) > 1:
         rows = sorted((name, source, row) for source, sink in per_source.items()
@@ -272,6 +275,9 @@ def run(args: argparse.Namespace) -> int:
         table = stats(args.files)
         if table is None:
             complain("stats", f"no records in {' '.join(args.files)}")
+        elif not table:
+            complain("stats", f"no numbers in {' '.join(args.files)}: its records hold no real "
+                     "numbers (stats keeps those; tail shows the records)")
         else:
             print(table)
         return 0

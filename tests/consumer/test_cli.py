@@ -357,6 +357,14 @@ def test_an_empty_stream_says_it_holds_no_records(tmp_path, command):
     assert result.stderr == f"hostcallback-consumer {command}: no records in {path}\n"
 
 
+def test_stats_of_records_without_numbers_says_so_rather_than_print_an_empty_table(tmp_path):
+    path = tmp_path / "flags.hcbs"
+    path.write_bytes(stream.dumps([TapRecord(name="flags", value={"done": np.bool_(True)})]))
+    result = cli("stats", str(path))
+    assert result.returncode == 0 and result.stdout == ""
+    assert "no numbers in" in result.stderr and "tail shows the records" in result.stderr
+
+
 def test_tail_n_0_prints_nothing_and_does_not_call_the_stream_empty(two_devices):
     result = cli("tail", "-n", "0", str(two_devices))
     assert (result.returncode, result.stdout, result.stderr) == (0, "", "")

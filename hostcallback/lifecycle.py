@@ -473,7 +473,6 @@ class Lifecycle:
             logger.error("hostcallback: %d tap consumer(s) raised and no barrier_wait reported it",
                          self._pool.failures.count)
 
-
     def _leave_at_once(self) -> None:
         """Exit after a Ctrl-C that said leave: stop the receivers without the rest, say how many
         records are left, let each sink say what it loses. It takes a second or two and must
